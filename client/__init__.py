@@ -1,0 +1,1 @@
+"""The kvmem client library, used by scheduler workers."""

@@ -1,0 +1,710 @@
+"""The allocation core: page pool, request slots, block table and batched steps.
+
+Pure numpy. It knows nothing of gRPC, torch or shared memory: the block table is an
+int32 array it is *given* (a plain array in tests, a shared-memory view in the server).
+
+Layers, bottom up:
+
+* :class:`PagePool` -- page ids ``[1, num_pages)``, a reference count per page and a
+  free stack. Page 0 is the padding page: never handed out, never counted.
+* :class:`KVCore` -- request slots ``[1, max_requests]`` and their block-table rows,
+  per-owner (session) accounting, and :meth:`KVCore.step`, the one call per scheduler
+  step: releases, then truncates, then allocs, validated whole before anything changes.
+
+Costs are stated per method. ``n`` is the number of items in a call, ``T`` the number of
+tokens it allocates, ``P`` the number of pages it takes or drops. Nothing is
+proportional to ``num_pages`` except :meth:`KVCore.audit` (a debug check) and
+construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Sequence
+from typing import NewType
+
+import numpy as np
+
+from kvmem.server.errors import CorruptionError, KVMemError, Reason
+
+PageId = NewType("PageId", int)
+RequestSlot = NewType("RequestSlot", int)
+OwnerId = NewType("OwnerId", str)
+
+_INT32_MAX = 2**31 - 1
+_NO_EXPECTATION = -1  # alloc_expected_lens value meaning "no expectation for this item"
+
+
+class AllocStatus(enum.IntEnum):
+    """Per-item result of an alloc. Anything but OK changed nothing for that item."""
+
+    OK = 0
+    OUT_OF_PAGES = 1
+    CONTEXT_TOO_LONG = 2
+    QUOTA_EXCEEDED = 3
+    ABORTED = 4  # would have fit, but another item of an atomic step failed
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """Pool geometry of the core (token and page counts; memory is not its concern)."""
+
+    num_pages: int  # including the padding page 0
+    page_size: int  # tokens per page
+    max_requests: int  # request slots 1..max_requests
+    max_context_len: int  # tokens per request
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_requests", "max_context_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is padding), got {self.num_pages}")
+        if self.num_pages > _INT32_MAX // self.page_size:
+            raise ValueError(
+                f"num_pages * page_size must fit in int32 token slots, got "
+                f"{self.num_pages} * {self.page_size}"
+            )
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return -(-self.max_context_len // self.page_size)
+
+    @property
+    def block_table_shape(self) -> tuple[int, int]:
+        return (self.max_requests + 1, self.max_pages_per_request)
+
+
+@dataclasses.dataclass(slots=True)
+class StepResult:
+    """What a step did. Per alloc item ``i``: ``alloc_status[i]``, its token slots
+    ``kv_loc[kv_loc_offsets[i]:kv_loc_offsets[i+1]]`` and its new pages
+    ``new_pages[new_page_offsets[i]:new_page_offsets[i+1]]`` (empty unless OK)."""
+
+    alloc_status: np.ndarray  # int8 [n], AllocStatus values
+    kv_loc: np.ndarray  # int32 [T]
+    kv_loc_offsets: np.ndarray  # int32 [n + 1]
+    new_pages: np.ndarray  # int32 [P]
+    new_page_offsets: np.ndarray  # int32 [n + 1]
+    num_pages_released: int  # pages dropped by releases and truncates (refs removed)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OwnerUsage:
+    owner: str
+    num_requests: int
+    num_pages_held: int
+    quota_pages: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolStats:
+    num_pages_total: int  # usable pages: num_pages - 1
+    num_free_pages: int
+    num_cached_pages: int
+    num_used_pages: int
+    num_free_request_slots: int
+    num_open_requests: int
+    owners: tuple[OwnerUsage, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AuditReport:
+    ok: bool
+    problems: tuple[str, ...]
+    num_free_pages: int
+    num_cached_pages: int
+    num_used_pages: int
+
+
+class PagePool:
+    """Page ids ``[1, num_pages)`` with a reference count each and a free stack.
+
+    Invariants (only this class changes ``ref_cnt``, ``_free`` and ``_num_free``):
+    a page is in ``_free[:_num_free]`` exactly when its ``ref_cnt`` is 0; page 0 is never
+    in the stack and its ``ref_cnt`` stays 0. The stack is a preallocated array, so a
+    take or a give back of ``P`` pages costs O(P), whatever the pool's size.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.ref_cnt = np.zeros(num_pages, dtype=np.int32)
+        # Descending, so the first pages handed out are 1, 2, 3, ... (readable in tests).
+        self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
+        self._num_free = num_pages - 1
+        self._scratch = np.zeros(num_pages, dtype=np.int64)  # duplicate detection
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def take(self, num: int) -> np.ndarray:
+        """Pop ``num`` free pages and set their count to 1. O(num). Caller checks space."""
+        top = self._num_free
+        if num > top:
+            raise CorruptionError(f"take({num}) with only {top} free pages")
+        pages = self._free[top - num : top][::-1].copy()
+        self._num_free = top - num
+        self.ref_cnt[pages] = 1
+        return pages
+
+    def unref(self, pages: np.ndarray) -> int:
+        """Drop one reference from each entry of ``pages`` (a page may appear several
+        times); pages whose count reaches 0 go back to the free stack. A page that is
+        already free, or page 0, is a double free: nothing changes and
+        :class:`CorruptionError` is raised. O(P). Returns the number of pages freed."""
+        if pages.size == 0:
+            return 0
+        n = pages.size
+        if np.count_nonzero(pages <= 0) or np.count_nonzero(pages >= self.num_pages):
+            raise CorruptionError(f"unref of page ids outside [1, {self.num_pages}): {pages.tolist()[:16]}")
+        order = np.arange(n)
+        self._scratch[pages] = order
+        unique = self._scratch[pages] == order  # first-wins is irrelevant; last write wins
+        if np.count_nonzero(unique) == n:
+            counts = self.ref_cnt[pages]
+            if np.count_nonzero(counts <= 0):
+                bad = pages[counts <= 0]
+                raise CorruptionError(f"double free of page(s) {bad.tolist()[:16]}", pages=bad.tolist()[:16])
+            counts -= 1
+            self.ref_cnt[pages] = counts
+            freed = pages[counts == 0]
+        else:
+            uniq, times = np.unique(pages, return_counts=True)
+            counts = self.ref_cnt[uniq]
+            if np.count_nonzero(counts < times):
+                bad = uniq[counts < times]
+                raise CorruptionError(f"double free of page(s) {bad.tolist()[:16]}", pages=bad.tolist()[:16])
+            counts -= times.astype(np.int32)
+            self.ref_cnt[uniq] = counts
+            freed = uniq[counts == 0]
+        # A later prefix cache sends cached pages to an evictable LRU here instead.
+        top = self._num_free
+        self._free[top : top + freed.size] = freed
+        self._num_free = top + freed.size
+        return int(freed.size)
+
+
+@dataclasses.dataclass(slots=True)
+class _Owner:
+    """Accounting of one owner (session). Changed only by KVCore.
+
+    ``num_pages_held`` is the sum over its open requests of their page counts;
+    ``request_slots`` maps its open request ids to their slots."""
+
+    index: int  # >= 1; written into KVCore._owner_of
+    name: str
+    quota_pages: int | None
+    num_pages_held: int = 0
+    request_slots: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _segments(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For segments ``[starts[i], starts[i] + counts[i])`` return (item index, value) of
+    every element, in order. O(n + sum(counts))."""
+    total = int(counts.sum())
+    item = np.repeat(np.arange(counts.size), counts)
+    first = np.cumsum(counts) - counts
+    values = starts[item] + (np.arange(total) - first[item])
+    return item, values
+
+
+class KVCore:
+    """Request slots, block tables and per-owner accounting over a :class:`PagePool`.
+
+    Not thread-safe: the service calls it from one event loop, so each call is one
+    critical section. Slot state lives in arrays indexed by slot; ``_owner_of[slot]`` is
+    0 for a closed slot, and has one extra sentinel entry past ``max_requests`` that is
+    always 0, so a clipped out-of-range slot is simply "not found".
+
+    Invariants: for every open slot ``s`` the row ``block_table[s]`` holds exactly
+    ``ceil(alloced_len[s] / page_size)`` non-zero page ids followed by zeros; closed rows
+    and row 0 are all zero.
+    """
+
+    def __init__(self, config: CoreConfig, block_table: np.ndarray | None = None) -> None:
+        self.config = config
+        shape = config.block_table_shape
+        if block_table is None:
+            block_table = np.zeros(shape, dtype=np.int32)
+        if block_table.shape != shape or block_table.dtype != np.int32:
+            raise ValueError(
+                f"block_table must be int32 {shape}, got {block_table.dtype} {block_table.shape}"
+            )
+        block_table[...] = 0
+        self.block_table = block_table
+        self.pool = PagePool(config.num_pages)
+        self._ps = config.page_size
+        n_slots = config.max_requests + 2  # slot 0 padding, last entry a sentinel
+        self._owner_of = np.zeros(n_slots, dtype=np.int32)
+        self._alloced = np.zeros(n_slots, dtype=np.int64)
+        self._slot_request_id: list[str | None] = [None] * n_slots
+        self._slot_scratch = np.zeros(n_slots, dtype=np.int64)
+        self._arange = np.arange(max(n_slots, config.page_size), dtype=np.int64)
+        self._page_offsets = np.arange(config.page_size, dtype=np.int32)
+        self._free_slots: list[int] = list(range(config.max_requests, 0, -1))
+        self._owners: dict[str, _Owner] = {}
+        self._next_owner_index = 1
+        self.debug = os.environ.get("KVMEM_DEBUG", "") not in ("", "0")
+
+    # ----------------------------------------------------------------- owners
+
+    def add_owner(self, owner: str, quota_pages: int | None = None) -> None:
+        """Register an owner (a session). O(1)."""
+        if owner in self._owners:
+            raise KVMemError(Reason.BAD_VALUE, f"owner {owner!r} already exists", owner=owner)
+        if quota_pages is not None and (not isinstance(quota_pages, int) or quota_pages < 0):
+            raise KVMemError(Reason.BAD_VALUE, f"quota_pages must be >= 0, got {quota_pages!r}")
+        self._owners[owner] = _Owner(self._next_owner_index, owner, quota_pages)
+        self._next_owner_index += 1
+
+    def remove_owner(self, owner: str) -> int:
+        """Release every request of ``owner`` (exactly as a release step would) and
+        forget it. O(its requests + their pages). Returns the number of requests."""
+        state = self._owner(owner)
+        slots = np.fromiter(state.request_slots.values(), dtype=np.int64, count=len(state.request_slots))
+        self._release(state, slots)
+        del self._owners[owner]
+        self._maybe_audit()
+        return int(slots.size)
+
+    def has_owner(self, owner: str) -> bool:
+        return owner in self._owners
+
+    def _owner(self, owner: str) -> _Owner:
+        state = self._owners.get(owner)
+        if state is None:
+            raise KVMemError(Reason.UNKNOWN_SESSION, f"unknown owner {owner!r}", owner=owner)
+        return state
+
+    # ------------------------------------------------------------------- open
+
+    def open(self, owner: str, request_ids: Sequence[str]) -> np.ndarray:
+        """Give each request id a slot; an id the owner already has keeps its slot.
+        All or nothing. O(n). Returns int32 slots in the order of ``request_ids``."""
+        state = self._owner(owner)
+        new_ids: dict[str, None] = {}
+        for i, rid in enumerate(request_ids):
+            if not isinstance(rid, str) or not rid:
+                raise KVMemError(Reason.BAD_VALUE, f"request id #{i} must be a non-empty string, got {rid!r}", index=i)
+            if rid not in state.request_slots:
+                new_ids[rid] = None
+        if len(new_ids) > len(self._free_slots):
+            raise KVMemError(
+                Reason.NO_FREE_REQUEST_SLOT,
+                f"no free request slot: {len(new_ids)} new request(s) asked for, "
+                f"{len(self._free_slots)} of {self.config.max_requests} slots free",
+                requested=len(new_ids),
+                free=len(self._free_slots),
+            )
+        for rid in new_ids:
+            slot = self._free_slots.pop()
+            state.request_slots[rid] = slot
+            self._slot_request_id[slot] = rid
+            self._owner_of[slot] = state.index
+        return np.fromiter((state.request_slots[r] for r in request_ids), dtype=np.int32, count=len(request_ids))
+
+    # ------------------------------------------------------------------- step
+
+    def step(
+        self,
+        owner: str,
+        *,
+        release_slots: Sequence[int] | np.ndarray = (),
+        truncate_slots: Sequence[int] | np.ndarray = (),
+        truncate_lens: Sequence[int] | np.ndarray = (),
+        alloc_slots: Sequence[int] | np.ndarray = (),
+        alloc_needs: Sequence[int] | np.ndarray = (),
+        alloc_expected_lens: Sequence[int] | np.ndarray | None = None,
+        atomic: bool = False,
+    ) -> StepResult:
+        """One scheduler step: releases, then truncates, then allocs.
+
+        The whole step is validated before anything changes; bad input raises
+        :class:`KVMemError` naming the list, the item and the value. An alloc that
+        cannot be served is a per-item :class:`AllocStatus` and changes nothing; with
+        ``atomic`` no alloc is applied unless all are OK.
+
+        Cost: O(n + T + P) numpy work, vectorised across the items; a Python loop over
+        items only when the pool or the quota runs short (never over tokens).
+        """
+        state = self._owner(owner)
+        rel = _index_array(release_slots, "release_slots")
+        tr = _index_array(truncate_slots, "truncate_slots")
+        tr_len = _index_array(truncate_lens, "truncate_lens")
+        al = _index_array(alloc_slots, "alloc_slots")
+        need = _index_array(alloc_needs, "alloc_needs")
+        expected = None if alloc_expected_lens is None else _index_array(alloc_expected_lens, "alloc_expected_lens")
+        if tr.size != tr_len.size:
+            raise KVMemError(
+                Reason.LENGTH_MISMATCH,
+                f"truncate_slots has {tr.size} items but truncate_lens has {tr_len.size}",
+            )
+        if al.size != need.size:
+            raise KVMemError(
+                Reason.LENGTH_MISMATCH, f"alloc_slots has {al.size} items but alloc_needs has {need.size}"
+            )
+        if expected is not None and expected.size == 0 and al.size:
+            expected = None
+        if expected is not None and expected.size != al.size:
+            raise KVMemError(
+                Reason.LENGTH_MISMATCH,
+                f"alloc_slots has {al.size} items but alloc_expected_lens has {expected.size}",
+            )
+
+        # --- validate (nothing changes in this block) ---
+        if rel.size:
+            self._check_slots(state, rel, "release_slots")
+        if tr.size:
+            self._check_slots(state, tr, "truncate_slots", rel)
+            if np.count_nonzero(tr_len < 0):
+                i = int(np.flatnonzero(tr_len < 0)[0])
+                raise KVMemError(
+                    Reason.BAD_VALUE, f"truncate_lens[{i}] must be >= 0, got {int(tr_len[i])}", index=i
+                )
+            cur = self._alloced[tr]
+            if np.count_nonzero(tr_len > cur):
+                i = int(np.flatnonzero(tr_len > cur)[0])
+                raise KVMemError(
+                    Reason.TRUNCATE_BEYOND_ALLOCED,
+                    f"truncate_lens[{i}] = {int(tr_len[i])} is beyond alloced_len {int(cur[i])} "
+                    f"of slot {int(tr[i])}",
+                    index=i,
+                    slot=int(tr[i]),
+                    alloced_len=int(cur[i]),
+                )
+        if al.size:
+            self._check_slots(state, al, "alloc_slots", rel)
+            if np.count_nonzero(need < 0) or np.count_nonzero(need > _INT32_MAX):
+                i = int(np.flatnonzero((need < 0) | (need > _INT32_MAX))[0])
+                raise KVMemError(
+                    Reason.BAD_VALUE, f"alloc_needs[{i}] must be in [0, 2^31), got {int(need[i])}", index=i
+                )
+            if tr.size:
+                eff = self._alloced.copy()
+                eff[tr] = tr_len
+                cur = eff[al]
+            else:
+                cur = self._alloced[al]
+            if expected is not None:
+                given = expected != _NO_EXPECTATION
+                if np.count_nonzero(expected < _NO_EXPECTATION):
+                    i = int(np.flatnonzero(expected < _NO_EXPECTATION)[0])
+                    raise KVMemError(
+                        Reason.BAD_VALUE,
+                        f"alloc_expected_lens[{i}] must be >= 0 (or -1 for none), got {int(expected[i])}",
+                        index=i,
+                    )
+                wrong = given & (expected != cur)
+                if np.count_nonzero(wrong):
+                    i = int(np.flatnonzero(wrong)[0])
+                    raise KVMemError(
+                        Reason.ALLOCED_LEN_MISMATCH,
+                        f"alloc_expected_lens[{i}] = {int(expected[i])} but slot {int(al[i])} has "
+                        f"alloced_len {int(cur[i])}",
+                        index=i,
+                        slot=int(al[i]),
+                        alloced_len=int(cur[i]),
+                    )
+
+        # --- apply: releases, truncates (cannot fail on valid input) ---
+        dropped = 0
+        if rel.size:
+            dropped += self._release(state, rel)
+        if tr.size:
+            dropped += self._truncate(state, tr, tr_len)
+        result = self._alloc(state, al, need, cur if al.size else None, atomic)
+        result.num_pages_released = dropped
+        self._maybe_audit()
+        return result
+
+    def _check_slots(self, state: _Owner, slots: np.ndarray, what: str, released: np.ndarray | None = None) -> None:
+        """Every slot open and owned by ``state``, no duplicates, none released in this
+        step. O(n)."""
+        n = slots.size
+        own = self._owner_of.take(slots, mode="clip")
+        if np.count_nonzero(own != state.index):
+            i = int(np.flatnonzero(own != state.index)[0])
+            raise KVMemError(
+                Reason.SLOT_NOT_FOUND,
+                f"{what}[{i}]: request slot {int(slots[i])} is not open in this session",
+                index=i,
+                slot=int(slots[i]),
+            )
+        order = self._arange[:n]
+        scratch = self._slot_scratch
+        scratch[slots] = order
+        if np.count_nonzero(scratch[slots] != order):
+            i = int(np.flatnonzero(scratch[slots] != order)[0])
+            raise KVMemError(
+                Reason.DUPLICATE_SLOT, f"{what}[{i}]: request slot {int(slots[i])} appears twice", index=i,
+                slot=int(slots[i]),
+            )
+        if released is not None and released.size:
+            scratch[slots] = 0
+            scratch[released] = 1
+            hit = scratch[slots] == 1
+            if np.count_nonzero(hit):
+                i = int(np.flatnonzero(hit)[0])
+                raise KVMemError(
+                    Reason.SLOT_NOT_FOUND,
+                    f"{what}[{i}]: request slot {int(slots[i])} is released earlier in this step",
+                    index=i,
+                    slot=int(slots[i]),
+                )
+
+    def _num_pages_for(self, tokens: np.ndarray) -> np.ndarray:
+        return (tokens + (self._ps - 1)) // self._ps
+
+    def _drop_pages(self, slots: np.ndarray, keep: np.ndarray, have: np.ndarray) -> int:
+        """Unreference columns ``[keep, have)`` of each slot's row and zero them. O(n+P)."""
+        counts = have - keep
+        if not np.count_nonzero(counts):
+            return 0
+        item, cols = _segments(keep, counts)
+        rows = slots[item]
+        pages = self.block_table[rows, cols]
+        self.pool.unref(pages)
+        self.block_table[rows, cols] = 0
+        return int(pages.size)
+
+    def _release(self, state: _Owner, slots: np.ndarray) -> int:
+        """End requests: drop their pages, zero their rows, free their slots."""
+        have = self._num_pages_for(self._alloced[slots])
+        dropped = self._drop_pages(slots, np.zeros_like(have), have)
+        state.num_pages_held -= dropped
+        self._alloced[slots] = 0
+        self._owner_of[slots] = 0
+        slot_list = slots.tolist()
+        rid_of = self._slot_request_id
+        pop = state.request_slots.pop
+        for s in slot_list:
+            pop(rid_of[s])
+            rid_of[s] = None
+        self._free_slots.extend(slot_list)
+        return dropped
+
+    def _truncate(self, state: _Owner, slots: np.ndarray, new_lens: np.ndarray) -> int:
+        have = self._num_pages_for(self._alloced[slots])
+        keep = self._num_pages_for(new_lens)
+        dropped = self._drop_pages(slots, keep, have)
+        state.num_pages_held -= dropped
+        self._alloced[slots] = new_lens
+        return dropped
+
+    def _alloc(self, state: _Owner, slots: np.ndarray, need: np.ndarray, cur: np.ndarray | None, atomic: bool) -> StepResult:
+        n = slots.size
+        if n == 0:
+            empty = np.zeros(0, dtype=np.int32)
+            one = np.zeros(1, dtype=np.int32)
+            return StepResult(np.zeros(0, dtype=np.int8), empty, one, empty, one.copy(), 0)
+        assert cur is not None
+        ps = self._ps
+        cfg = self.config
+        end = cur + need
+        have = self._num_pages_for(cur)
+        cnt = self._num_pages_for(end) - have
+        status = np.zeros(n, dtype=np.int8)
+        total = int(cnt.sum())
+        quota_left = None if state.quota_pages is None else state.quota_pages - state.num_pages_held
+        too_long = end > cfg.max_context_len
+        fits = (
+            not np.count_nonzero(too_long)
+            and total <= self.pool.num_free
+            and (quota_left is None or total <= quota_left)
+        )
+        if not fits:
+            # Short on pages or quota, or too long: admit items in order (greedy, like
+            # per-request calls would). A loop over items, not tokens.
+            pool_left = self.pool.num_free
+            q_left = quota_left
+            codes = []
+            for c, long_ in zip(cnt.tolist(), too_long.tolist()):
+                if long_:
+                    codes.append(AllocStatus.CONTEXT_TOO_LONG)
+                elif q_left is not None and c > q_left:
+                    codes.append(AllocStatus.QUOTA_EXCEEDED)
+                elif c > pool_left:
+                    codes.append(AllocStatus.OUT_OF_PAGES)
+                else:
+                    codes.append(AllocStatus.OK)
+                    pool_left -= c
+                    if q_left is not None:
+                        q_left -= c
+            status[:] = codes
+            ok = status == AllocStatus.OK
+            if atomic and not ok.all():
+                status[ok] = AllocStatus.ABORTED
+                ok[:] = False
+            cnt = np.where(ok, cnt, 0)
+            need = np.where(ok, need, 0)
+            end = np.where(ok, end, cur)
+            total = int(cnt.sum())
+
+        # Take pages and write them into the rows (columns have .. have+cnt-1).
+        pages = self.pool.take(total)
+        bt = self.block_table
+        if total:
+            if total == np.count_nonzero(cnt):  # at most one new page per item (decode)
+                mask = cnt > 0
+                bt[slots[mask], have[mask]] = pages
+            else:
+                item, cols = _segments(have, cnt)
+                bt[slots[item], cols] = pages
+        self._alloced[slots] = end
+        state.num_pages_held += total
+
+        # kv_loc: the tokens [cur, end) of each item, through its (updated) row.
+        num_tokens = int(need.sum())
+        busy = np.count_nonzero(need)
+        if num_tokens == busy:  # at most one token per item: one gather
+            idx = np.flatnonzero(need) if busy != n else slice(None)
+            pos = cur[idx]
+            kv_loc = (bt[slots[idx], pos // ps] * ps + pos % ps).astype(np.int32)
+        else:
+            kv_loc = self._kv_loc_by_page(slots, cur, end, need)
+        kv_off = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(need, out=kv_off[1:])
+        page_off = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(cnt, out=page_off[1:])
+        return StepResult(status, kv_loc, kv_off, pages, page_off, 0)
+
+    def _kv_loc_by_page(self, slots: np.ndarray, cur: np.ndarray, end: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """kv_loc of many tokens per item: one broadcast over the touched pages
+        (``page * page_size + arange(page_size)``), trimmed at each item's first and last
+        page by a mask. O(n + P * page_size) with P the pages touched."""
+        ps = self._ps
+        busy = need > 0
+        slots, cur, end = slots[busy], cur[busy], end[busy]
+        first = cur // ps
+        last = (end - 1) // ps
+        touched = last - first + 1
+        item, cols = _segments(first, touched)
+        pages = self.block_table[slots[item], cols]
+        lo = np.zeros(pages.size, dtype=np.int64)
+        hi = np.full(pages.size, ps, dtype=np.int64)
+        starts = np.cumsum(touched) - touched
+        lo[starts] = cur % ps
+        hi[starts + touched - 1] = (end - 1) % ps + 1
+        offs = self._page_offsets
+        grid = pages[:, None] * np.int32(ps) + offs[None, :]
+        mask = (offs[None, :] >= lo[:, None]) & (offs[None, :] < hi[:, None])
+        return grid[mask]
+
+    # ------------------------------------------------------------ inspection
+
+    def alloced_len(self, owner: str, slot: int) -> int:
+        state = self._owner(owner)
+        if not (1 <= slot <= self.config.max_requests) or self._owner_of[slot] != state.index:
+            raise KVMemError(Reason.SLOT_NOT_FOUND, f"request slot {slot} is not open in this session", slot=slot)
+        return int(self._alloced[slot])
+
+    def stats(self) -> PoolStats:
+        """Pool counters and per-owner usage. O(owners)."""
+        num_free = self.pool.num_free
+        total = self.config.num_pages - 1
+        return PoolStats(
+            num_pages_total=total,
+            num_free_pages=num_free,
+            num_cached_pages=0,
+            num_used_pages=total - num_free,
+            num_free_request_slots=len(self._free_slots),
+            num_open_requests=self.config.max_requests - len(self._free_slots),
+            owners=tuple(
+                OwnerUsage(o.name, len(o.request_slots), o.num_pages_held, o.quota_pages)
+                for o in self._owners.values()
+            ),
+        )
+
+    def audit(self) -> AuditReport:
+        """Check every invariant of the pool. O(num_pages + max_requests *
+        max_pages_per_request): a debug check, run after every step in tests and when
+        ``KVMEM_DEBUG=1``; Stats runs it on demand."""
+        problems: list[str] = []
+        cfg = self.config
+        pool = self.pool
+        bt = self.block_table
+        ref = pool.ref_cnt
+        free = pool._free[: pool.num_free]
+        if ref[0] != 0:
+            problems.append(f"page 0 has ref_cnt {int(ref[0])}")
+        if np.count_nonzero(ref < 0):
+            problems.append(f"negative ref_cnt on pages {np.flatnonzero(ref < 0).tolist()[:16]}")
+        if free.size and (np.count_nonzero(free <= 0) or np.count_nonzero(free >= cfg.num_pages)):
+            problems.append("free stack holds ids outside [1, num_pages)")
+        else:
+            in_free = np.bincount(free, minlength=cfg.num_pages)
+            if np.count_nonzero(in_free > 1):
+                problems.append(f"pages in the free stack twice: {np.flatnonzero(in_free > 1).tolist()[:16]}")
+            both = (in_free > 0) & (ref > 0)
+            if np.count_nonzero(both):
+                problems.append(f"free pages with references: {np.flatnonzero(both).tolist()[:16]}")
+        num_used = int(np.count_nonzero(ref[1:] > 0))
+        num_cached = 0
+        if pool.num_free + num_cached + num_used != cfg.num_pages - 1:
+            problems.append(
+                f"free {pool.num_free} + cached {num_cached} + used {num_used} != {cfg.num_pages - 1} pages"
+            )
+        # Block table against reference counts.
+        have = self._num_pages_for(self._alloced[: cfg.max_requests + 1])
+        open_ = self._owner_of[: cfg.max_requests + 1] != 0
+        if np.count_nonzero(have[~open_]):
+            problems.append("closed request slots with alloced_len > 0")
+        valid = np.arange(bt.shape[1])[None, :] < np.where(open_, have, 0)[:, None]
+        if np.count_nonzero(bt[~valid]):
+            rows = np.flatnonzero((bt * ~valid).any(axis=1))
+            problems.append(f"non-zero block-table entries past a request's pages in rows {rows.tolist()[:16]}")
+        held = bt[valid]
+        if np.count_nonzero(held <= 0) or np.count_nonzero(held >= cfg.num_pages):
+            problems.append("block table holds page ids outside [1, num_pages) within a request's pages")
+        else:
+            refs = np.bincount(held, minlength=cfg.num_pages)
+            if not np.array_equal(refs, ref):
+                diff = np.flatnonzero(refs != ref)
+                problems.append(f"ref_cnt differs from block-table references on pages {diff.tolist()[:16]}")
+        # Per-owner totals.
+        owner_index = {o.index: o for o in self._owners.values()}
+        for o in self._owners.values():
+            slots = np.fromiter(o.request_slots.values(), dtype=np.int64, count=len(o.request_slots))
+            if np.count_nonzero(self._owner_of[slots] != o.index):
+                problems.append(f"owner {o.name!r} lists slots it does not own")
+            if int(have[slots].sum()) != o.num_pages_held:
+                problems.append(
+                    f"owner {o.name!r} holds {o.num_pages_held} pages by its count, "
+                    f"{int(have[slots].sum())} by its rows"
+                )
+        owned = self._owner_of[1 : cfg.max_requests + 1]
+        unknown = set(np.unique(owned[owned != 0]).tolist()) - set(owner_index)
+        if unknown:
+            problems.append(f"slots owned by unknown owner indices {sorted(unknown)}")
+        if len(self._free_slots) + int(np.count_nonzero(owned)) != cfg.max_requests:
+            problems.append("free request slots + open request slots != max_requests")
+        return AuditReport(not problems, tuple(problems), pool.num_free, num_cached, num_used)
+
+    def _maybe_audit(self) -> None:
+        if self.debug:
+            report = self.audit()
+            if not report.ok:
+                raise CorruptionError("audit failed: " + "; ".join(report.problems))
+
+
+def _index_array(values: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
+    """An int64 1-D array from a sequence or array of integers, or INVALID_ARGUMENT."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
+        return values
+    try:
+        arr = np.asarray(values)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise KVMemError(Reason.BAD_VALUE, f"{name} must be a list of integers: {exc}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise KVMemError(Reason.BAD_VALUE, f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise KVMemError(Reason.BAD_VALUE, f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and np.count_nonzero(arr > np.iinfo(np.int64).max):
+        raise KVMemError(Reason.BAD_VALUE, f"{name} holds a value beyond int64")
+    return arr.astype(np.int64, copy=False)

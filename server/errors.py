@@ -1,0 +1,74 @@
+"""kvmem's one error taxonomy.
+
+Capacity shortfalls are *results* (per-item statuses in a step), never exceptions. Bad
+input raises a :class:`KVMemError` whose :class:`Reason` is one of a closed set; each
+reason knows its :class:`ErrorKind`, and the service maps kinds to gRPC status codes in
+one place (``kvmem.server.service``). The core never imports gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class ErrorKind(enum.Enum):
+    """Transport-neutral error classes; the names match gRPC's status codes."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+
+
+class Reason(enum.Enum):
+    """Why a call failed: a closed set. Sent as ``google.rpc.ErrorInfo.reason`` (the
+    member name); each reason knows its :class:`ErrorKind`."""
+
+    # INVALID_ARGUMENT: malformed input.
+    BAD_VALUE = ("BAD_VALUE", ErrorKind.INVALID_ARGUMENT)
+    LENGTH_MISMATCH = ("LENGTH_MISMATCH", ErrorKind.INVALID_ARGUMENT)
+    DUPLICATE_SLOT = ("DUPLICATE_SLOT", ErrorKind.INVALID_ARGUMENT)
+    # NOT_FOUND: never says whether the slot belongs to someone else.
+    SLOT_NOT_FOUND = ("SLOT_NOT_FOUND", ErrorKind.NOT_FOUND)
+    # FAILED_PRECONDITION: the input is well formed but disagrees with the state.
+    UNKNOWN_SESSION = ("UNKNOWN_SESSION", ErrorKind.FAILED_PRECONDITION)
+    ALLOCED_LEN_MISMATCH = ("ALLOCED_LEN_MISMATCH", ErrorKind.FAILED_PRECONDITION)
+    TRUNCATE_BEYOND_ALLOCED = ("TRUNCATE_BEYOND_ALLOCED", ErrorKind.FAILED_PRECONDITION)
+    # RESOURCE_EXHAUSTED: a resource that is not pages (pages are a per-item result).
+    NO_FREE_REQUEST_SLOT = ("NO_FREE_REQUEST_SLOT", ErrorKind.RESOURCE_EXHAUSTED)
+    # Transport-level reasons raised by the service.
+    BAD_TOKEN = ("BAD_TOKEN", ErrorKind.UNAUTHENTICATED)
+    SHUTTING_DOWN = ("SHUTTING_DOWN", ErrorKind.UNAVAILABLE)
+    # A broken invariant: a bug in kvmem, never the caller's fault.
+    CORRUPTION = ("CORRUPTION", ErrorKind.INTERNAL)
+
+    def __init__(self, _name: str, kind: ErrorKind) -> None:
+        self.kind = kind
+
+
+class KVMemError(Exception):
+    """A call failed; nothing was changed. ``metadata`` holds the offending values."""
+
+    def __init__(self, reason: Reason, message: str, **metadata: Any) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.metadata = {k: str(v) for k, v in metadata.items()}
+
+    @property
+    def kind(self) -> ErrorKind:
+        return self.reason.kind
+
+    def __repr__(self) -> str:
+        return f"KVMemError({self.reason.name}, {self.message!r})"
+
+
+class CorruptionError(KVMemError):
+    """An invariant of the pool does not hold: a bug in kvmem, reported, never ignored."""
+
+    def __init__(self, message: str, **metadata: Any) -> None:
+        super().__init__(Reason.CORRUPTION, message, **metadata)
