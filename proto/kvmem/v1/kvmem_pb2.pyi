@@ -1,0 +1,282 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_FORMAT_UNSPECIFIED: _ClassVar[KVFormat]
+    KV_FORMAT_MHA: _ClassVar[KVFormat]
+    KV_FORMAT_MLA: _ClassVar[KVFormat]
+
+class AllocStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALLOC_STATUS_OK: _ClassVar[AllocStatus]
+    ALLOC_STATUS_OUT_OF_PAGES: _ClassVar[AllocStatus]
+    ALLOC_STATUS_CONTEXT_TOO_LONG: _ClassVar[AllocStatus]
+    ALLOC_STATUS_QUOTA_EXCEEDED: _ClassVar[AllocStatus]
+    ALLOC_STATUS_ABORTED: _ClassVar[AllocStatus]
+KV_FORMAT_UNSPECIFIED: KVFormat
+KV_FORMAT_MHA: KVFormat
+KV_FORMAT_MLA: KVFormat
+ALLOC_STATUS_OK: AllocStatus
+ALLOC_STATUS_OUT_OF_PAGES: AllocStatus
+ALLOC_STATUS_CONTEXT_TOO_LONG: AllocStatus
+ALLOC_STATUS_QUOTA_EXCEEDED: AllocStatus
+ALLOC_STATUS_ABORTED: AllocStatus
+
+class KVLayout(_message.Message):
+    __slots__ = ("format", "num_layers", "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "dtype", "bytes_per_token")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    ROPE_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    format: KVFormat
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: str
+    bytes_per_token: int
+    def __init__(self, format: _Optional[_Union[KVFormat, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., rope_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
+
+class PoolGeometry(_message.Message):
+    __slots__ = ("num_pages", "page_size", "max_requests", "max_context_len", "max_pages_per_request", "layout")
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    num_pages: int
+    page_size: int
+    max_requests: int
+    max_context_len: int
+    max_pages_per_request: int
+    layout: KVLayout
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_requests: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_pages_per_request: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class ShmHandle(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device_uuid", "ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    ipc_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class MemoryHandle(_message.Message):
+    __slots__ = ("name", "rank", "dtype", "shape", "size_bytes", "shm", "cuda")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    size_bytes: int
+    shm: ShmHandle
+    cuda: CudaIpcHandle
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("name", "quota_pages")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_PAGES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    quota_pages: int
+    def __init__(self, name: _Optional[str] = ..., quota_pages: _Optional[int] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("epoch", "session_id", "lease_ms", "geometry", "memory")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    session_id: str
+    lease_ms: int
+    geometry: PoolGeometry
+    memory: _containers.RepeatedCompositeFieldContainer[MemoryHandle]
+    def __init__(self, epoch: _Optional[str] = ..., session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[MemoryHandle, _Mapping]]] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
+    __slots__ = ("epoch", "num_requests_released")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    num_requests_released: int
+    def __init__(self, epoch: _Optional[str] = ..., num_requests_released: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    def __init__(self, epoch: _Optional[str] = ...) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("session_id", "request_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class OpenResponse(_message.Message):
+    __slots__ = ("epoch", "slots")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("session_id", "release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens", "atomic")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_LENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_NEEDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_EXPECTED_LENS_FIELD_NUMBER: _ClassVar[int]
+    ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    release_slots: _containers.RepeatedScalarFieldContainer[int]
+    truncate_slots: _containers.RepeatedScalarFieldContainer[int]
+    truncate_lens: _containers.RepeatedScalarFieldContainer[int]
+    alloc_slots: _containers.RepeatedScalarFieldContainer[int]
+    alloc_needs: _containers.RepeatedScalarFieldContainer[int]
+    alloc_expected_lens: _containers.RepeatedScalarFieldContainer[int]
+    atomic: bool
+    def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_STATUS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOC_FIELD_NUMBER: _ClassVar[int]
+    KV_LOC_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    alloc_status: bytes
+    kv_loc: bytes
+    kv_loc_offsets: bytes
+    new_pages: bytes
+    new_page_offsets: bytes
+    num_pages_released: int
+    num_free_pages: int
+    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("audit",)
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    audit: bool
+    def __init__(self, audit: _Optional[bool] = ...) -> None: ...
+
+class SessionUsage(_message.Message):
+    __slots__ = ("name", "index", "num_requests", "num_pages_held", "quota_pages", "idle_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_HELD_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    index: int
+    num_requests: int
+    num_pages_held: int
+    quota_pages: int
+    idle_ms: int
+    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pages_held: _Optional[int] = ..., quota_pages: _Optional[int] = ..., idle_ms: _Optional[int] = ...) -> None: ...
+
+class AuditResult(_message.Message):
+    __slots__ = ("ran", "ok", "problems")
+    RAN_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    ran: bool
+    ok: bool
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ran: _Optional[bool] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_REQUEST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OPEN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    geometry: PoolGeometry
+    num_pages_total: int
+    num_free_pages: int
+    num_cached_pages: int
+    num_used_pages: int
+    num_free_request_slots: int
+    num_open_requests: int
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionUsage]
+    audit: AuditResult
+    num_steps: int
+    num_evictions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    memory_backend: str
+    uptime_ms: int
+    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ...) -> None: ...
