@@ -1,0 +1,131 @@
+"""What the sync and asyncio clients share: request builders, response parsing, the
+epoch check. Neither client builds a message or reads a response any other way."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+from collections.abc import Sequence
+from typing import Any, Union
+
+import grpc
+import numpy as np
+import torch
+
+from kvmem.client.errors import SessionLost
+from kvmem.v1 import kvmem_pb2
+
+IntsLike = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+AllocStatus = enum.IntEnum(  # type: ignore[misc]
+    "AllocStatus",
+    {name.removeprefix("ALLOC_STATUS_"): value for name, value in kvmem_pb2.AllocStatus.items()},
+)
+AllocStatus.__doc__ = "Per-item result of an alloc (the proto's AllocStatus without its prefix)."
+
+# The step tensors view the response's bytes, which are immutable: they are read-only by
+# contract (copy one before writing to it). torch warns about that once per buffer;
+# the warning is the contract restated, so it is silenced here, for this message only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def normalize_target(target: str) -> str:
+    """``/path/to.sock`` and ``unix:/path`` are unix sockets; anything else is
+    ``HOST:PORT``."""
+    if target.startswith("/") or target.startswith("./"):
+        return f"unix:{target}"
+    return target
+
+
+def auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return None if auth_token is None else (("authorization", f"Bearer {auth_token}"),)
+
+
+def _ints(values: IntsLike) -> Any:
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        return values.tolist()
+    return values
+
+
+def attach_request(name: str, quota_pages: int | None) -> kvmem_pb2.AttachRequest:
+    req = kvmem_pb2.AttachRequest(name=name)
+    if quota_pages is not None:
+        req.quota_pages = quota_pages
+    return req
+
+
+def step_request(
+    session_id: str,
+    release_slots: IntsLike = (),
+    truncate_slots: IntsLike = (),
+    truncate_lens: IntsLike = (),
+    alloc_slots: IntsLike = (),
+    alloc_needs: IntsLike = (),
+    alloc_expected_lens: IntsLike | None = None,
+    atomic: bool = False,
+) -> kvmem_pb2.StepRequest:
+    return kvmem_pb2.StepRequest(
+        session_id=session_id,
+        release_slots=_ints(release_slots),
+        truncate_slots=_ints(truncate_slots),
+        truncate_lens=_ints(truncate_lens),
+        alloc_slots=_ints(alloc_slots),
+        alloc_needs=_ints(alloc_needs),
+        alloc_expected_lens=() if alloc_expected_lens is None else _ints(alloc_expected_lens),
+        atomic=atomic,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """A step's outcome. Per alloc item ``i``: ``status[i]`` (an :class:`AllocStatus`
+    value), its token slots ``kv_loc[kv_loc_offsets[i]:kv_loc_offsets[i + 1]]`` and its new
+    pages likewise. The tensors are read-only int32/int8 views of the response."""
+
+    status: torch.Tensor  # int8 [n]
+    kv_loc: torch.Tensor  # int32 [T]
+    kv_loc_offsets: torch.Tensor  # int32 [n + 1]
+    new_pages: torch.Tensor  # int32 [P]
+    new_page_offsets: torch.Tensor  # int32 [n + 1]
+    num_pages_released: int
+    num_free_pages: int
+
+    @property
+    def ok(self) -> bool:
+        """Every alloc item succeeded."""
+        return not bool(torch.count_nonzero(self.status))
+
+    def kv_loc_of(self, i: int) -> torch.Tensor:
+        return self.kv_loc[int(self.kv_loc_offsets[i]) : int(self.kv_loc_offsets[i + 1])]
+
+    def new_pages_of(self, i: int) -> torch.Tensor:
+        return self.new_pages[int(self.new_page_offsets[i]) : int(self.new_page_offsets[i + 1])]
+
+
+def _view(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype)
+
+
+def step_result(resp: kvmem_pb2.StepResponse) -> StepResult:
+    """Views of the response bytes (little-endian int32, as the proto says; every
+    platform torch ships on is little-endian). No copy, no loop."""
+    return StepResult(
+        status=_view(resp.alloc_status, torch.int8),
+        kv_loc=_view(resp.kv_loc, torch.int32),
+        kv_loc_offsets=_view(resp.kv_loc_offsets, torch.int32),
+        new_pages=_view(resp.new_pages, torch.int32),
+        new_page_offsets=_view(resp.new_page_offsets, torch.int32),
+        num_pages_released=resp.num_pages_released,
+        num_free_pages=resp.num_free_pages,
+    )
+
+
+def check_epoch(expected: str, got: str) -> None:
+    """A changed epoch means the server restarted: the session and handles are gone."""
+    if got and got != expected:
+        raise SessionLost(
+            grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_SESSION", f"the server restarted (epoch {expected} is now {got}): attach again"
+        )

@@ -1,0 +1,183 @@
+"""``kvmem`` command line: ``serve``, ``health``, ``stats``.
+
+Every ``serve`` option can also come from a ``KVMEM_*`` environment variable (the
+option's name in upper case, dashes as underscores: ``--page-size`` is
+``KVMEM_PAGE_SIZE``); a command-line value wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DEFAULT_SOCKET = "/tmp/kvmem.sock"
+
+
+def _env(name: str, default: Any, parse: Callable[[str], Any] = str) -> Any:
+    raw = os.environ.get("KVMEM_" + name.upper().replace("-", "_"))
+    if raw is None or raw == "":
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        raise SystemExit(f"kvmem: KVMEM_{name.upper().replace('-', '_')}={raw!r} is not a valid {parse.__name__}")
+
+
+def _add(p: argparse.ArgumentParser, flag: str, default: Any, help: str, type: Callable[[str], Any] = str) -> None:
+    name = flag.lstrip("-")
+    env = "KVMEM_" + name.upper().replace("-", "_")
+    shown = "none" if default is None else default
+    p.add_argument(flag, type=type, default=_env(name, default, type), help=f"{help} (default: {shown}; env {env})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvmem",
+        description="kvmem: a KV-cache memory manager for LLM inference. One server per GPU node owns the "
+        "KV page pool and the block tables; scheduler workers attach over gRPC.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the server (until SIGTERM/SIGINT)",
+        description="Run the kvmem server. It listens on a unix socket (mode 0600) and, if asked, on TCP; "
+        "health is grpc.health.v1 (service '' = liveness, 'kvmem.v1.KVMemory' = readiness). "
+        "Every option can also be set from its KVMEM_* environment variable.",
+    )
+    listen = serve.add_argument_group("listening")
+    _add(listen, "--socket", DEFAULT_SOCKET, "unix socket path to listen on; 'none' to disable")
+    _add(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)")
+    _add(listen, "--auth-token", None, "bearer token TCP clients must send (required beyond loopback)")
+    pool = serve.add_argument_group("pool geometry")
+    _add(pool, "--page-size", 16, "tokens per page", int)
+    _add(pool, "--num-pages", 4096, "pages in the pool, including the padding page 0", int)
+    _add(pool, "--max-requests", 256, "request slots (concurrently open requests)", int)
+    _add(pool, "--max-context", 8192, "longest request, in tokens", int)
+    sessions = serve.add_argument_group("sessions")
+    _add(sessions, "--lease-ms", 10000, "a session that makes no call or keep-alive for this long ends", int)
+    _add(sessions, "--shutdown-grace-ms", 5000, "how long in-flight calls may run after SIGTERM", int)
+    _add(serve, "--log-level", "info", "debug, info, warning or error")
+
+    for name, text in (
+        ("health", "check a server's health (exit 0 when serving; for a Docker HEALTHCHECK)"),
+        ("stats", "print pool and per-session usage"),
+    ):
+        p = sub.add_parser(name, help=text, description=text)
+        _add(p, "--socket", DEFAULT_SOCKET, "unix socket of the server")
+        _add(p, "--tcp", None, "HOST:PORT of the server instead of the socket")
+        _add(p, "--auth-token", None, "bearer token for TCP")
+        p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default: 3)")
+        if name == "health":
+            p.add_argument(
+                "--service",
+                default="kvmem.v1.KVMemory",
+                help="health service to check: 'kvmem.v1.KVMemory' = readiness (default), '' = liveness",
+            )
+        else:
+            p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+            p.add_argument("--audit", action="store_true", help="also run the full pool audit (O(pool))")
+    return parser
+
+
+def _target(args: argparse.Namespace) -> str:
+    if args.tcp:
+        return args.tcp
+    return f"unix:{args.socket}"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvmem.server.app import ServerConfig, serve
+
+    socket_path = None if args.socket in ("", "none") else args.socket
+    config = ServerConfig(
+        socket_path=socket_path,
+        tcp=args.tcp,
+        auth_token=args.auth_token,
+        lease_s=args.lease_ms / 1000,
+        shutdown_grace_s=args.shutdown_grace_ms / 1000,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_requests=args.max_requests,
+        max_context_len=args.max_context,
+    )
+    return serve(config)
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(_target(args)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"kvmem health: {_target(args)}: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    what = "readiness" if args.service else "liveness"
+    print(f"{what} ({args.service or '<server>'}): {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvmem.client import KVMemError, stats
+
+    try:
+        s = stats(_target(args), audit=args.audit, timeout=args.timeout, auth_token=args.auth_token)
+    except KVMemError as err:
+        print(f"kvmem stats: {_target(args)}: {err}", file=sys.stderr)
+        return 1
+    from google.protobuf import json_format
+
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(s, always_print_fields_with_no_presence=True), indent=2))
+        return 0
+    g = s.geometry
+    used = s.num_used_pages
+    total = max(s.num_pages_total, 1)
+    lines = [
+        f"epoch {s.epoch}   uptime {s.uptime_ms / 1000:.1f}s   steps {s.num_steps}   memory {s.memory_backend}",
+        f"pool  {s.num_pages_total} pages x {g.page_size} tokens; max {g.max_requests} requests, "
+        f"{g.max_context_len} tokens each",
+        f"pages used {used} ({100 * used / total:.1f}%)   cached {s.num_cached_pages}   free {s.num_free_pages}",
+        f"request slots open {s.num_open_requests}   free {s.num_free_request_slots}",
+    ]
+    if s.audit.ran:
+        lines.append("audit OK" if s.audit.ok else "audit FAILED: " + "; ".join(s.audit.problems))
+    lines.append("")
+    lines.append(f"{'#':>4}  {'session':<24} {'requests':>8} {'pages':>8} {'quota':>8} {'idle':>8}")
+    for u in s.sessions:
+        quota = str(u.quota_pages) if u.HasField("quota_pages") else "-"
+        lines.append(
+            f"{u.index:>4}  {u.name[:24]:<24} {u.num_requests:>8} {u.num_pages_held:>8} {quota:>8} "
+            f"{u.idle_ms / 1000:>7.1f}s"
+        )
+    if not s.sessions:
+        lines.append("      (no sessions)")
+    print("\n".join(lines))
+    return 0 if (not s.audit.ran or s.audit.ok) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", "info").upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    logging.Formatter.converter = time.gmtime
+    handler = {"serve": _serve, "health": _health, "stats": _stats}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The gRPC servicer: parse the proto, call the engine, map the result. Nothing else.
+
+Errors are mapped in one place, :func:`_to_status`: a :class:`KVMemError`'s kind picks
+the gRPC status code, its message (which names the offending value) becomes the status
+message, and its reason travels as a ``google.rpc.ErrorInfo`` detail, so a client can
+tell "no free request slot" from gRPC's own RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from kvmem.server.engine import Engine
+from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
+from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
+
+log = logging.getLogger("kvmem.service")
+
+ERROR_DOMAIN = "kvmem.v1"
+_STATUS_CODE = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def _to_status(err: KVMemError) -> grpc.Status:
+    info = error_details_pb2.ErrorInfo(reason=err.reason.name, domain=ERROR_DOMAIN, metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    code = _STATUS_CODE[err.kind]
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=err.message, details=[detail]))
+
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _unary(method: F) -> F:
+    """Run a unary handler; turn a KVMemError (and an auth failure) into its status."""
+
+    @functools.wraps(method)
+    async def wrapper(self: "KVMemoryService", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check_auth(context)
+            return method(self, request, context)
+        except CorruptionError as err:
+            log.error("corruption detected in %s: %s", method.__name__, err.message)
+            await context.abort_with_status(_to_status(err))
+        except KVMemError as err:
+            await context.abort_with_status(_to_status(err))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _array(field: Any) -> np.ndarray:
+    """A packed repeated int field as an int64 array (C-level copy, no Python loop)."""
+    return np.array(field, dtype=np.int64) if len(field) else _EMPTY
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
+    """kvmem.v1.KVMemory over an :class:`Engine`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        geometry: kvmem_pb2.PoolGeometry,
+        memory_handles: list[kvmem_pb2.MemoryHandle],
+        memory_backend: str,
+        auth_token: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.geometry = geometry
+        self.memory_handles = memory_handles
+        self.memory_backend = memory_backend
+        self._auth = None if auth_token is None else f"Bearer {auth_token}"
+        self.keepalive_tasks: set[asyncio.Task[Any]] = set()
+        self.stopping = asyncio.Event()
+
+    def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
+        """With a token set, every call that does not come over the unix socket must
+        carry ``authorization: Bearer <token>``."""
+        if self._auth is None or context.peer().startswith("unix:"):
+            return
+        given = dict(context.invocation_metadata() or ()).get("authorization")
+        if given != self._auth:
+            raise KVMemError(
+                Reason.BAD_TOKEN,
+                "missing authorization metadata" if given is None else "wrong bearer token in authorization metadata",
+            )
+
+    @_unary
+    def Attach(self, request: kvmem_pb2.AttachRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.AttachResponse:
+        quota = request.quota_pages if request.HasField("quota_pages") else None
+        session = self.engine.attach(request.name, quota)
+        return kvmem_pb2.AttachResponse(
+            epoch=self.engine.epoch,
+            session_id=session.session_id,
+            lease_ms=int(self.engine.lease_s * 1000),
+            geometry=self.geometry,
+            memory=self.memory_handles,
+        )
+
+    @_unary
+    def Detach(self, request: kvmem_pb2.DetachRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.DetachResponse:
+        self.engine.session(request.session_id)
+        released = self.engine.end_session(request.session_id, "detached")
+        return kvmem_pb2.DetachResponse(epoch=self.engine.epoch, num_requests_released=released)
+
+    @_unary
+    def Open(self, request: kvmem_pb2.OpenRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.OpenResponse:
+        slots = self.engine.open(request.session_id, list(request.request_ids))
+        return kvmem_pb2.OpenResponse(epoch=self.engine.epoch, slots=slots.tolist())
+
+    @_unary
+    def Step(self, request: kvmem_pb2.StepRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StepResponse:
+        expected = request.alloc_expected_lens
+        result = self.engine.step(
+            request.session_id,
+            _array(request.release_slots),
+            _array(request.truncate_slots),
+            _array(request.truncate_lens),
+            _array(request.alloc_slots),
+            _array(request.alloc_needs),
+            _array(expected) if len(expected) else None,
+            request.atomic,
+        )
+        return kvmem_pb2.StepResponse(
+            epoch=self.engine.epoch,
+            alloc_status=result.alloc_status.tobytes(),
+            kv_loc=result.kv_loc.astype("<i4", copy=False).tobytes(),
+            kv_loc_offsets=result.kv_loc_offsets.astype("<i4", copy=False).tobytes(),
+            new_pages=result.new_pages.astype("<i4", copy=False).tobytes(),
+            new_page_offsets=result.new_page_offsets.astype("<i4", copy=False).tobytes(),
+            num_pages_released=result.num_pages_released,
+            num_free_pages=self.engine.core.pool.num_free,
+        )
+
+    @_unary
+    def Stats(self, request: kvmem_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StatsResponse:
+        stats = self.engine.stats(audit=request.audit)
+        pool = stats.pool
+        now_sessions = []
+        now = time.monotonic()
+        for session, num_requests, num_pages in stats.sessions:
+            usage = kvmem_pb2.SessionUsage(
+                name=session.name,
+                index=session.index,
+                num_requests=num_requests,
+                num_pages_held=num_pages,
+                idle_ms=int((now - session.last_seen) * 1000),
+            )
+            if session.quota_pages is not None:
+                usage.quota_pages = session.quota_pages
+            now_sessions.append(usage)
+        audit = kvmem_pb2.AuditResult(ran=stats.audit is not None)
+        if stats.audit is not None:
+            audit.ok = stats.audit.ok
+            audit.problems.extend(stats.audit.problems)
+        return kvmem_pb2.StatsResponse(
+            epoch=self.engine.epoch,
+            geometry=self.geometry,
+            num_pages_total=pool.num_pages_total,
+            num_free_pages=pool.num_free_pages,
+            num_cached_pages=pool.num_cached_pages,
+            num_used_pages=pool.num_used_pages,
+            num_free_request_slots=pool.num_free_request_slots,
+            num_open_requests=pool.num_open_requests,
+            sessions=now_sessions,
+            audit=audit,
+            num_steps=stats.num_steps,
+            memory_backend=self.memory_backend,
+            uptime_ms=int(stats.uptime_s * 1000),
+        )
+
+    async def KeepAlive(
+        self, request_iterator: AsyncIterator[kvmem_pb2.KeepAliveRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvmem_pb2.KeepAliveResponse]:
+        """Refresh the session's lease on every message; when the stream breaks or ends
+        while the session is alive, end the session at once."""
+        try:
+            self._check_auth(context)
+        except KVMemError as err:
+            await context.abort_with_status(_to_status(err))
+        session_id = None
+        task = asyncio.current_task()
+        assert task is not None
+        self.keepalive_tasks.add(task)
+        reply = kvmem_pb2.KeepAliveResponse(epoch=self.engine.epoch)
+        try:
+            async for message in request_iterator:
+                if session_id is None:
+                    try:
+                        session = self.engine.session(message.session_id)
+                    except KVMemError as err:
+                        await context.abort_with_status(_to_status(err))
+                    session_id = message.session_id
+                    session.num_keepalive_streams += 1
+                elif message.session_id and message.session_id != session_id:
+                    await context.abort_with_status(
+                        _to_status(KVMemError(Reason.BAD_VALUE, "a keep-alive stream serves one session"))
+                    )
+                else:
+                    self.engine.session(session_id)
+                yield reply
+        except KVMemError as err:  # the session ended while the stream was open
+            await context.abort_with_status(_to_status(err))
+        finally:
+            self.keepalive_tasks.discard(task)
+            if session_id is not None and not self.stopping.is_set():
+                self.engine.end_session(session_id, "keep-alive stream closed")

@@ -1,0 +1,114 @@
+"""Shared fixtures: a real `kvmem serve` process on a temporary unix socket."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+READINESS = "kvmem.v1.KVMemory"
+
+
+@dataclasses.dataclass
+class ServerProcess:
+    """A `kvmem serve` child process. ``target`` is what clients connect to."""
+
+    proc: subprocess.Popen[bytes]
+    socket_path: str
+    log_path: str
+    args: list[str]
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.socket_path}"
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def health(self, service: str = READINESS, timeout: float = 2.0) -> int:
+        with grpc.insecure_channel(self.target) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        return resp.status
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Signal the server and wait; returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"server did not exit within {timeout}s after signal {sig}:\n{self.log()}")
+
+
+def short_tmpdir() -> str:
+    """A short directory: unix socket paths are limited to ~107 bytes."""
+    return tempfile.mkdtemp(prefix="kvmem-", dir="/tmp")
+
+
+def start_server(
+    directory: str, *extra: str, socket_name: str = "kvmem.sock", env: dict[str, str] | None = None,
+    wait: bool = True,
+) -> ServerProcess:  # fmt: skip
+    socket_path = os.path.join(directory, socket_name)
+    log_path = os.path.join(directory, f"{socket_name}.log")
+    args = [sys.executable, "-m", "kvmem.server.cli", "serve", "--socket", socket_path, *extra]
+    full_env = dict(os.environ)
+    full_env.setdefault("KVMEM_DEBUG", "1")  # audit after every step in tests
+    full_env.update(env or {})
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = ServerProcess(proc, socket_path, log_path, args)
+    if wait:
+        wait_serving(server)
+    return server
+
+
+def wait_serving(server: ServerProcess, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise AssertionError(f"server exited with {server.proc.returncode}:\n{server.log()}")
+        if os.path.exists(server.socket_path):
+            try:
+                if server.health(timeout=0.5) == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.05)
+    server.stop(signal.SIGKILL)
+    raise AssertionError(f"server not serving within {timeout}s:\n{server.log()}")
+
+
+@pytest.fixture
+def tmpdir_short() -> Iterator[str]:
+    d = short_tmpdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def server(tmpdir_short: str) -> Iterator[ServerProcess]:
+    """A server with a small pool and a short lease; stopped with SIGTERM afterwards,
+    which must exit 0."""
+    srv = start_server(
+        tmpdir_short, "--num-pages", "257", "--page-size", "4", "--max-requests", "16", "--max-context", "256",
+        "--lease-ms", "1500",
+    )  # fmt: skip
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"server exited {code} after SIGTERM:\n{srv.log()}"
