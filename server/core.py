@@ -434,7 +434,9 @@ class KVCore:
                 index=i,
                 slot=int(slots[i]),
             )
-        order = self._arange[:n]
+        # A list longer than the preallocated arange holds a duplicate (every slot is in
+        # [1, max_requests] by now); it still needs an index per item to report it.
+        order = self._arange[:n] if n <= self._arange.size else np.arange(n)
         scratch = self._slot_scratch
         scratch[slots] = order
         if np.count_nonzero(scratch[slots] != order):

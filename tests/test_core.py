@@ -1,0 +1,1110 @@
+"""Unit tests of the allocation core (``kvmem.server.core``): pages, request slots, the
+block table and batched steps.
+
+Geometry of most tests (``make_core()`` defaults): page_size 4, num_pages 9 (pages 1..8
+usable, page 0 is padding), request slots 1..4, max_context_len 16 tokens = 4 pages per
+request, so the block table is int32 [5, 4]. A token slot is ``page * 4 + offset``.
+States are drawn in comments as block-table rows, e.g. ``# row 1: [1, 2, 0, 0]  len 6``.
+
+Every core a test builds is audited when the test ends (fixture ``make_core``), and
+``KVMEM_DEBUG=1`` makes the core audit itself after every mutating call as well.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PagePool, PoolStats, StepResult
+from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
+
+OK = AllocStatus.OK
+OUT_OF_PAGES = AllocStatus.OUT_OF_PAGES
+CONTEXT_TOO_LONG = AllocStatus.CONTEXT_TOO_LONG
+QUOTA_EXCEEDED = AllocStatus.QUOTA_EXCEEDED
+ABORTED = AllocStatus.ABORTED
+
+PS = 4  # page size of the default geometry
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True)
+def _debug_audit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core audits itself after every mutating call (read at construction)."""
+    monkeypatch.setenv("KVMEM_DEBUG", "1")
+
+
+@pytest.fixture
+def make_core():
+    """Factory of cores; each one made is audited when the test ends."""
+    made: list[KVCore] = []
+
+    def make(
+        num_pages: int = 9,
+        page_size: int = PS,
+        max_requests: int = 4,
+        max_context_len: int = 16,
+        block_table: np.ndarray | None = None,
+    ) -> KVCore:
+        core = KVCore(CoreConfig(num_pages, page_size, max_requests, max_context_len), block_table)
+        assert core.debug
+        made.append(core)
+        return core
+
+    yield make
+    for core in made:
+        report = core.audit()
+        assert report.ok, report.problems
+
+
+def assert_audit(core: KVCore) -> None:
+    report = core.audit()
+    assert report.ok, report.problems
+    assert report.num_free_pages + report.num_cached_pages + report.num_used_pages == core.config.num_pages - 1
+
+
+def alloc(core: KVCore, owner: str, slots, needs, **kw) -> StepResult:
+    return core.step(owner, alloc_slots=slots, alloc_needs=needs, **kw)
+
+
+def statuses(res: StepResult) -> list[AllocStatus]:
+    return [AllocStatus(int(s)) for s in res.alloc_status]
+
+
+def kv_of(res: StepResult, i: int) -> list[int]:
+    return res.kv_loc[res.kv_loc_offsets[i] : res.kv_loc_offsets[i + 1]].tolist()
+
+
+def pages_of(res: StepResult, i: int) -> list[int]:
+    return res.new_pages[res.new_page_offsets[i] : res.new_page_offsets[i + 1]].tolist()
+
+
+def row(core: KVCore, slot: int) -> list[int]:
+    return core.block_table[slot].tolist()
+
+
+def check_result_types(res: StepResult, n: int) -> None:
+    assert res.alloc_status.dtype == np.int8 and res.alloc_status.shape == (n,)
+    assert res.kv_loc.dtype == np.int32
+    assert res.kv_loc_offsets.dtype == np.int32 and res.kv_loc_offsets.shape == (n + 1,)
+    assert res.new_pages.dtype == np.int32
+    assert res.new_page_offsets.dtype == np.int32 and res.new_page_offsets.shape == (n + 1,)
+    assert res.kv_loc_offsets[0] == 0 and res.kv_loc_offsets[-1] == res.kv_loc.size
+    assert res.new_page_offsets[0] == 0 and res.new_page_offsets[-1] == res.new_pages.size
+
+
+def snapshot(core: KVCore) -> dict:
+    """Everything a call could change: block table, reference counts, the free stack
+    (contents and order), per-slot lengths and owners, the free request slots, per-owner
+    accounting, and the public stats."""
+    pool = core.pool
+    return {
+        "block_table": core.block_table.copy(),
+        "ref_cnt": pool.ref_cnt.copy(),
+        "num_free": pool.num_free,
+        "free_stack": pool._free[: pool.num_free].copy(),
+        "alloced": core._alloced.copy(),
+        "owner_of": core._owner_of.copy(),
+        "free_slots": list(core._free_slots),
+        "owners": {
+            name: (o.quota_pages, o.num_pages_held, dict(o.request_slots)) for name, o in core._owners.items()
+        },
+        "stats": core.stats(),
+    }
+
+
+def assert_unchanged(before: dict, core: KVCore) -> None:
+    after = snapshot(core)
+    for key, value in before.items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(after[key], value, err_msg=key)
+        else:
+            assert after[key] == value, key
+    assert_audit(core)
+
+
+def raises(reason: Reason, fn, *args, **kwargs) -> KVMemError:
+    with pytest.raises(KVMemError) as info:
+        fn(*args, **kwargs)
+    err = info.value
+    assert err.reason is reason, (err.reason, str(err))
+    assert err.kind is reason.kind
+    return err
+
+
+def two_requests(make_core, **kw) -> KVCore:
+    core = make_core(**kw)
+    core.add_owner("a")
+    slots = core.open("a", ["r1", "r2"])
+    assert slots.tolist() == [1, 2]
+    return core
+
+
+# --------------------------------------------------------------- config and setup
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_pages=1, page_size=4, max_requests=4, max_context_len=16),  # page 0 only
+        dict(num_pages=0, page_size=4, max_requests=4, max_context_len=16),
+        dict(num_pages=9, page_size=0, max_requests=4, max_context_len=16),
+        dict(num_pages=9, page_size=4, max_requests=0, max_context_len=16),
+        dict(num_pages=9, page_size=4, max_requests=4, max_context_len=0),
+        dict(num_pages=9, page_size=4, max_requests=4, max_context_len=-3),
+        dict(num_pages=9.0, page_size=4, max_requests=4, max_context_len=16),
+        dict(num_pages=9, page_size=True, max_requests=4, max_context_len=16),
+        dict(num_pages=2**30, page_size=4, max_requests=4, max_context_len=16),  # token slots beyond int32
+    ],
+)
+def test_config_rejects_bad_geometry(kwargs) -> None:
+    with pytest.raises(ValueError):
+        CoreConfig(**kwargs)
+
+
+def test_config_geometry() -> None:
+    cfg = CoreConfig(num_pages=9, page_size=4, max_requests=4, max_context_len=17)
+    assert cfg.max_pages_per_request == 5  # ceil(17 / 4)
+    assert cfg.block_table_shape == (5, 5)
+    assert CoreConfig(9, 4, 4, 16).block_table_shape == (5, 4)
+
+
+def test_given_block_table_is_zeroed_and_written_in_place(make_core) -> None:
+    bt = np.full((5, 4), 7, dtype=np.int32)
+    core = make_core(block_table=bt)
+    assert core.block_table is bt
+    assert not bt.any()
+    core.add_owner("a")
+    core.open("a", ["r"])
+    alloc(core, "a", [1], [5])
+    # row 1: [1, 2, 0, 0]  len 5
+    assert bt[1].tolist() == [1, 2, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "bt", [np.zeros((5, 4), dtype=np.int64), np.zeros((4, 4), dtype=np.int32), np.zeros((5, 5), dtype=np.int32)]
+)
+def test_block_table_of_wrong_shape_or_dtype_is_refused(bt) -> None:
+    with pytest.raises(ValueError, match="block_table"):
+        KVCore(CoreConfig(9, 4, 4, 16), bt)
+
+
+def test_fresh_core(make_core) -> None:
+    core = make_core()
+    assert core.pool.num_free == 8
+    assert not core.block_table.any()
+    assert not core.pool.ref_cnt.any()
+    assert core.stats() == PoolStats(
+        num_pages_total=8,
+        num_free_pages=8,
+        num_cached_pages=0,
+        num_used_pages=0,
+        num_free_request_slots=4,
+        num_open_requests=0,
+        owners=(),
+    )
+    assert_audit(core)
+
+
+def test_reasons_map_to_the_kinds_of_the_design() -> None:
+    assert Reason.BAD_VALUE.kind is ErrorKind.INVALID_ARGUMENT
+    assert Reason.LENGTH_MISMATCH.kind is ErrorKind.INVALID_ARGUMENT
+    assert Reason.DUPLICATE_SLOT.kind is ErrorKind.INVALID_ARGUMENT
+    assert Reason.SLOT_NOT_FOUND.kind is ErrorKind.NOT_FOUND
+    assert Reason.UNKNOWN_SESSION.kind is ErrorKind.FAILED_PRECONDITION
+    assert Reason.ALLOCED_LEN_MISMATCH.kind is ErrorKind.FAILED_PRECONDITION
+    assert Reason.TRUNCATE_BEYOND_ALLOCED.kind is ErrorKind.FAILED_PRECONDITION
+    assert Reason.NO_FREE_REQUEST_SLOT.kind is ErrorKind.RESOURCE_EXHAUSTED
+    assert Reason.CORRUPTION.kind is ErrorKind.INTERNAL
+    err = CorruptionError("boom", pages=[3])
+    assert err.reason is Reason.CORRUPTION and err.kind is ErrorKind.INTERNAL
+    assert err.metadata == {"pages": "[3]"}
+
+
+# ------------------------------------------------------------------------- alloc
+
+
+def test_alloc_from_alloced_len_zero(make_core) -> None:
+    core = two_requests(make_core)
+    res = alloc(core, "a", [1], [3])
+    check_result_types(res, 1)
+    # row 1: [1, 0, 0, 0]  len 3   tokens 0..2 at page 1, offsets 0..2
+    assert statuses(res) == [OK]
+    assert res.kv_loc.tolist() == [4, 5, 6]
+    assert res.new_pages.tolist() == [1]  # the first page handed out is 1, never 0
+    assert res.kv_loc_offsets.tolist() == [0, 3]
+    assert res.new_page_offsets.tolist() == [0, 1]
+    assert res.num_pages_released == 0
+    assert row(core, 1) == [1, 0, 0, 0]
+    assert core.alloced_len("a", 1) == 3
+    assert core.pool.ref_cnt.tolist() == [0, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert core.pool.num_free == 7
+    assert_audit(core)
+
+
+def test_alloc_fills_the_tail_of_the_last_page_first(make_core) -> None:
+    core = two_requests(make_core)
+    alloc(core, "a", [1], [3])
+    res = alloc(core, "a", [1], [3])
+    # row 1: [1, 2, 0, 0]  len 6   token 3 at page 1 offset 3, tokens 4, 5 on page 2
+    assert statuses(res) == [OK]
+    assert res.kv_loc.tolist() == [7, 8, 9]
+    assert res.new_pages.tolist() == [2]
+    assert row(core, 1) == [1, 2, 0, 0]
+    assert core.alloced_len("a", 1) == 6
+    assert_audit(core)
+
+
+def test_need_that_exactly_fills_the_last_page(make_core) -> None:
+    core = two_requests(make_core)
+    alloc(core, "a", [1], [3])
+    res = alloc(core, "a", [1], [1])
+    # row 1: [1, 0, 0, 0]  len 4   page 1 full, no new page
+    assert statuses(res) == [OK]
+    assert res.kv_loc.tolist() == [7]
+    assert res.new_pages.tolist() == []
+    assert res.new_page_offsets.tolist() == [0, 0]
+    assert row(core, 1) == [1, 0, 0, 0]
+    assert core.alloced_len("a", 1) == 4
+    assert core.pool.num_free == 7
+    # The next token needs a new page, at offset 0.
+    res = alloc(core, "a", [1], [1])
+    # row 1: [1, 2, 0, 0]  len 5
+    assert res.kv_loc.tolist() == [8]
+    assert res.new_pages.tolist() == [2]
+    assert row(core, 1) == [1, 2, 0, 0]
+    # A prefill that ends exactly on a page boundary takes no extra page.
+    res = alloc(core, "a", [2], [8])
+    # row 2: [3, 4, 0, 0]  len 8
+    assert res.new_pages.tolist() == [3, 4]
+    assert res.kv_loc.tolist() == list(range(12, 20))
+    assert row(core, 2) == [3, 4, 0, 0]
+    assert_audit(core)
+
+
+def test_need_zero(make_core) -> None:
+    core = two_requests(make_core)
+    before = snapshot(core)
+    res = alloc(core, "a", [1], [0])
+    # row 1: [0, 0, 0, 0]  len 0   (no page for zero tokens)
+    assert statuses(res) == [OK]
+    assert res.kv_loc.tolist() == [] and res.new_pages.tolist() == []
+    assert res.kv_loc_offsets.tolist() == [0, 0] and res.new_page_offsets.tolist() == [0, 0]
+    assert_unchanged(before, core)
+    alloc(core, "a", [1], [4])
+    before = snapshot(core)
+    res = alloc(core, "a", [1], [0])  # on a full page: still nothing
+    assert statuses(res) == [OK] and res.kv_loc.size == 0 and res.new_pages.size == 0
+    assert_unchanged(before, core)
+
+
+def test_multi_page_prefill(make_core) -> None:
+    core = two_requests(make_core)
+    res = alloc(core, "a", [1], [10])
+    # row 1: [1, 2, 3, 0]  len 10   pages 1, 2 full, page 3 offsets 0, 1
+    assert statuses(res) == [OK]
+    assert res.kv_loc.tolist() == list(range(4, 14))
+    assert res.new_pages.tolist() == [1, 2, 3]
+    assert row(core, 1) == [1, 2, 3, 0]
+    assert core.alloced_len("a", 1) == 10
+    # Continue mid-page, across two more pages up to the context limit.
+    res = alloc(core, "a", [1], [6])
+    # row 1: [1, 2, 3, 4]  len 16
+    assert res.kv_loc.tolist() == [14, 15, 16, 17, 18, 19]
+    assert res.new_pages.tolist() == [4]
+    assert row(core, 1) == [1, 2, 3, 4]
+    assert_audit(core)
+
+
+def test_batch_of_allocs_in_item_order(make_core) -> None:
+    core = make_core()
+    core.add_owner("a")
+    core.open("a", ["r1", "r2", "r3", "r4"])
+    res = alloc(core, "a", [1, 2, 3, 4], [5, 1, 0, 4])
+    check_result_types(res, 4)
+    # row 1: [1, 2, 0, 0]  len 5
+    # row 2: [3, 0, 0, 0]  len 1
+    # row 3: [0, 0, 0, 0]  len 0
+    # row 4: [4, 0, 0, 0]  len 4
+    assert statuses(res) == [OK] * 4
+    assert [kv_of(res, i) for i in range(4)] == [[4, 5, 6, 7, 8], [12], [], [16, 17, 18, 19]]
+    assert [pages_of(res, i) for i in range(4)] == [[1, 2], [3], [], [4]]
+    assert res.kv_loc_offsets.tolist() == [0, 5, 6, 6, 10]
+    assert res.new_page_offsets.tolist() == [0, 2, 3, 3, 4]
+    assert [row(core, s) for s in (1, 2, 3, 4)] == [[1, 2, 0, 0], [3, 0, 0, 0], [0, 0, 0, 0], [4, 0, 0, 0]]
+    # A decode step (one token each): slots 3 and 4 need a new page, 1 and 2 do not.
+    res = alloc(core, "a", [4, 3, 2, 1], [1, 1, 1, 1])
+    # row 1: [1, 2, 0, 0]  len 6
+    # row 2: [3, 0, 0, 0]  len 2
+    # row 3: [6, 0, 0, 0]  len 1
+    # row 4: [4, 5, 0, 0]  len 5
+    assert res.new_pages.tolist() == [5, 6]
+    assert res.new_page_offsets.tolist() == [0, 1, 2, 2, 2]
+    assert res.kv_loc.tolist() == [20, 24, 13, 9]
+    assert res.kv_loc_offsets.tolist() == [0, 1, 2, 3, 4]
+    assert [row(core, s) for s in (1, 2, 3, 4)] == [[1, 2, 0, 0], [3, 0, 0, 0], [6, 0, 0, 0], [4, 5, 0, 0]]
+    # A mixed step: nothing, one token, a chunk across a page boundary.
+    res = alloc(core, "a", [1, 2, 3], [0, 1, 6])
+    # row 2: [3, 0, 0, 0]  len 3
+    # row 3: [6, 7, 0, 0]  len 7
+    assert [kv_of(res, i) for i in range(3)] == [[], [14], [25, 26, 27, 28, 29, 30]]
+    assert [pages_of(res, i) for i in range(3)] == [[], [], [7]]
+    assert [core.alloced_len("a", s) for s in (1, 2, 3, 4)] == [6, 3, 7, 5]
+    assert_audit(core)
+
+
+def test_step_without_items(make_core) -> None:
+    core = two_requests(make_core)
+    before = snapshot(core)
+    res = core.step("a")
+    check_result_types(res, 0)
+    assert res.kv_loc_offsets.tolist() == [0] and res.new_page_offsets.tolist() == [0]
+    assert res.num_pages_released == 0
+    assert_unchanged(before, core)
+
+
+def test_accepts_lists_tuples_and_integer_arrays(make_core) -> None:
+    core = make_core()
+    core.add_owner("a")
+    core.open("a", ["r1", "r2", "r3", "r4"])
+    slots = np.array([1, 2], dtype=np.int64)
+    needs = np.array([2, 3], dtype=np.int64)
+    res = alloc(core, "a", slots, needs, alloc_expected_lens=np.array([0, -1], dtype=np.int64))
+    assert statuses(res) == [OK, OK]
+    assert slots.tolist() == [1, 2] and needs.tolist() == [2, 3]  # inputs are not modified
+    res = alloc(core, "a", np.array([3], dtype=np.int32), np.array([1], dtype=np.uint8))
+    assert statuses(res) == [OK]
+    res = alloc(core, "a", (4,), (1,), alloc_expected_lens=(0,))
+    assert statuses(res) == [OK]
+    res = core.step("a", truncate_slots=np.array([1], dtype=np.int16), truncate_lens=[1])
+    assert core.alloced_len("a", 1) == 1
+    assert [core.alloced_len("a", s) for s in (1, 2, 3, 4)] == [1, 3, 1, 1]
+
+
+# ------------------------------------------------------------ capacity results
+
+
+def test_context_limit(make_core) -> None:
+    core = two_requests(make_core)
+    before = snapshot(core)
+    res = alloc(core, "a", [1], [17])
+    assert statuses(res) == [CONTEXT_TOO_LONG]
+    assert res.kv_loc.size == 0 and res.new_pages.size == 0
+    assert res.kv_loc_offsets.tolist() == [0, 0] and res.new_page_offsets.tolist() == [0, 0]
+    assert_unchanged(before, core)
+    # A huge need is a per-item result too, not an error.
+    res = alloc(core, "a", [1], [2**31 - 1])
+    assert statuses(res) == [CONTEXT_TOO_LONG]
+    assert_unchanged(before, core)
+
+    alloc(core, "a", [1], [14])
+    # row 1: [1, 2, 3, 4]  len 14
+    before = snapshot(core)
+    res = alloc(core, "a", [1], [3])  # 17 > 16
+    assert statuses(res) == [CONTEXT_TOO_LONG]
+    assert_unchanged(before, core)
+    # Other items of the step are served; the too-long one changes nothing.
+    res = alloc(core, "a", [1, 2], [3, 2])
+    # row 2: [5, 0, 0, 0]  len 2
+    assert statuses(res) == [CONTEXT_TOO_LONG, OK]
+    assert [kv_of(res, 0), kv_of(res, 1)] == [[], [20, 21]]
+    assert core.alloced_len("a", 1) == 14
+    res = alloc(core, "a", [1], [2])  # exactly max_context_len
+    # row 1: [1, 2, 3, 4]  len 16
+    assert statuses(res) == [OK]
+    assert res.kv_loc.tolist() == [18, 19]
+    assert core.alloced_len("a", 1) == 16
+    before = snapshot(core)
+    res = alloc(core, "a", [1, 2], [1, 0])
+    assert statuses(res) == [CONTEXT_TOO_LONG, OK]
+    res = alloc(core, "a", [1], [0])  # at the limit, zero tokens still fit
+    assert statuses(res) == [OK]
+    assert_unchanged(before, core)
+
+
+def fill_for_out_of_pages(make_core) -> KVCore:
+    core = make_core()
+    core.add_owner("a")
+    assert core.open("a", ["r1", "r2", "r3", "r4"]).tolist() == [1, 2, 3, 4]
+    alloc(core, "a", [1, 2], [16, 11])
+    # row 1: [1, 2, 3, 4]  len 16
+    # row 2: [5, 6, 7, 0]  len 11
+    # free: [8]
+    assert [row(core, 1), row(core, 2)] == [[1, 2, 3, 4], [5, 6, 7, 0]]
+    assert core.pool.num_free == 1
+    return core
+
+
+def test_out_of_pages_changes_nothing(make_core) -> None:
+    core = fill_for_out_of_pages(make_core)
+    before = snapshot(core)
+    lens = [core.alloced_len("a", s) for s in (1, 2, 3, 4)]
+    res = alloc(core, "a", [3], [5])  # two pages, one free
+    assert statuses(res) == [OUT_OF_PAGES]
+    assert res.kv_loc.size == 0 and res.new_pages.size == 0
+    assert res.kv_loc_offsets.tolist() == [0, 0] and res.new_page_offsets.tolist() == [0, 0]
+    assert_unchanged(before, core)
+    np.testing.assert_array_equal(core.block_table, before["block_table"])
+    np.testing.assert_array_equal(core.pool.ref_cnt, before["ref_cnt"])
+    assert core.pool.num_free == 1
+    assert [core.alloced_len("a", s) for s in (1, 2, 3, 4)] == lens == [16, 11, 0, 0]
+
+
+def test_out_of_pages_admits_later_items_greedily(make_core) -> None:
+    core = fill_for_out_of_pages(make_core)
+    res = alloc(core, "a", [3, 2], [5, 2])
+    # item 0 (two pages) fails; item 1 fills page 7's tail and takes the last page:
+    # row 2: [5, 6, 7, 8]  len 13
+    # row 3: [0, 0, 0, 0]  len 0
+    assert statuses(res) == [OUT_OF_PAGES, OK]
+    assert [kv_of(res, 0), kv_of(res, 1)] == [[], [31, 32]]
+    assert [pages_of(res, 0), pages_of(res, 1)] == [[], [8]]
+    assert row(core, 2) == [5, 6, 7, 8] and row(core, 3) == [0, 0, 0, 0]
+    assert core.pool.num_free == 0
+    # Pool empty: a token in a page's tail is still served, a new page is not.
+    res = alloc(core, "a", [3, 2, 4], [1, 1, 0])
+    # row 2: [5, 6, 7, 8]  len 14
+    assert statuses(res) == [OUT_OF_PAGES, OK, OK]
+    assert res.kv_loc.tolist() == [33]
+    assert [core.alloced_len("a", s) for s in (1, 2, 3, 4)] == [16, 14, 0, 0]
+
+
+def test_out_of_pages_first_come_first_served(make_core) -> None:
+    core = fill_for_out_of_pages(make_core)
+    before = snapshot(core)
+    res = alloc(core, "a", [4, 3], [1, 1])
+    # row 4: [8, 0, 0, 0]  len 1   (slot 3 asked second and gets nothing)
+    assert statuses(res) == [OK, OUT_OF_PAGES]
+    assert res.kv_loc.tolist() == [32]
+    assert row(core, 4) == [8, 0, 0, 0] and row(core, 3) == [0, 0, 0, 0]
+    core.step("a", truncate_slots=[4], truncate_lens=[0])
+    assert_unchanged(before, core)
+
+
+def test_page_zero_is_never_handed_out(make_core) -> None:
+    core = make_core(num_pages=6, page_size=1, max_requests=5, max_context_len=5)
+    core.add_owner("a")
+    core.open("a", ["a", "b", "c", "d", "e"])
+    taken = []
+    for step in range(5):
+        res = alloc(core, "a", [step + 1], [1])
+        assert statuses(res) == [OK]
+        taken += res.new_pages.tolist()
+        assert res.kv_loc.tolist() == res.new_pages.tolist()  # page_size 1: token slot = page
+    assert sorted(taken) == [1, 2, 3, 4, 5]
+    assert core.pool.ref_cnt[0] == 0 and core.pool.num_free == 0
+    assert core.stats().num_used_pages == 5
+    res = alloc(core, "a", [1, 2, 3, 4, 5], [1, 1, 1, 1, 1])
+    assert statuses(res) == [OUT_OF_PAGES] * 5
+    assert not core.block_table[0].any()
+    # The whole default pool, then nothing more: 0 never appears.
+    core = make_core()
+    core.add_owner("a")
+    core.open("a", ["r1", "r2", "r3"])
+    res = alloc(core, "a", [1, 2, 3], [16, 16, 1])
+    assert statuses(res) == [OK, OK, OUT_OF_PAGES]
+    assert res.new_pages.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert 0 not in core.block_table[1:3]
+    assert core.pool.ref_cnt[0] == 0
+    assert core.audit().num_used_pages == 8 and core.audit().num_free_pages == 0
+
+
+def test_atomic_rollback(make_core) -> None:
+    core = fill_for_out_of_pages(make_core)
+    # row 1: [1, 2, 3, 4]  len 16
+    # row 2: [5, 6, 7, 0]  len 11
+    # free: [8]
+    before = snapshot(core)
+    res = alloc(core, "a", [2, 3, 4], [1, 1, 1], atomic=True)
+    # 2 fits in page 7's tail, 3 would take page 8, 4 finds none: nothing is applied.
+    check_result_types(res, 3)
+    assert statuses(res) == [ABORTED, ABORTED, OUT_OF_PAGES]
+    assert res.kv_loc.size == 0 and res.new_pages.size == 0
+    assert res.kv_loc_offsets.tolist() == [0, 0, 0, 0] and res.new_page_offsets.tolist() == [0, 0, 0, 0]
+    assert_unchanged(before, core)
+    res = alloc(core, "a", [2, 1, 3], [1, 1, 0], atomic=True)
+    assert statuses(res) == [ABORTED, CONTEXT_TOO_LONG, ABORTED]
+    assert_unchanged(before, core)
+    # The same items without atomic: the ones that fit are served.
+    res = alloc(core, "a", [2, 3, 4], [1, 1, 1])
+    assert statuses(res) == [OK, OK, OUT_OF_PAGES]
+    assert res.kv_loc.tolist() == [31, 32]
+    # row 2: [5, 6, 7, 0]  len 12   row 3: [8, 0, 0, 0]  len 1   free: []
+    assert [row(core, 2), row(core, 3)] == [[5, 6, 7, 0], [8, 0, 0, 0]]
+    res = alloc(core, "a", [2, 3], [1, 1], atomic=True)  # 2 needs a page, 3 fits its tail
+    assert statuses(res) == [OUT_OF_PAGES, ABORTED]
+    assert core.alloced_len("a", 3) == 1
+    # An atomic step whose items all fit is applied whole.
+    res = alloc(core, "a", [3, 4], [2, 0], atomic=True)
+    # row 3: [8, 0, 0, 0]  len 3
+    assert statuses(res) == [OK, OK]
+    assert res.kv_loc.tolist() == [33, 34]
+    assert row(core, 3) == [8, 0, 0, 0]
+
+
+def test_atomic_covers_allocs_only(make_core) -> None:
+    """``atomic``: if any alloc item fails none is applied; the step's releases and
+    truncates (validated, never capacity-limited) still are."""
+    core = fill_for_out_of_pages(make_core)
+    res = core.step(
+        "a", release_slots=[1], truncate_slots=[2], truncate_lens=[4], alloc_slots=[3, 4], alloc_needs=[1, 17],
+        atomic=True,
+    )
+    # row 1: released      row 2: [5, 0, 0, 0]  len 4
+    assert statuses(res) == [ABORTED, CONTEXT_TOO_LONG]
+    assert res.num_pages_released == 6
+    assert row(core, 1) == [0, 0, 0, 0] and row(core, 2) == [5, 0, 0, 0] and row(core, 3) == [0, 0, 0, 0]
+    assert core.pool.num_free == 7
+    assert [core.alloced_len("a", s) for s in (2, 3, 4)] == [4, 0, 0]
+
+
+# ------------------------------------------------------------------------ quota
+
+
+def test_quota(make_core) -> None:
+    core = make_core()
+    core.add_owner("q", quota_pages=3)
+    core.add_owner("free")
+    qa, qb = core.open("q", ["a", "b"]).tolist()
+    (fa,) = core.open("free", ["f"]).tolist()
+    res = alloc(core, "q", [qa], [10])
+    # q: row qa: [1, 2, 3, 0]  len 10   3 of 3 pages
+    assert statuses(res) == [OK]
+    res = alloc(core, "q", [qa], [2])  # the tail of page 3, no new page
+    assert statuses(res) == [OK] and res.new_pages.size == 0
+    usage = {o.owner: o for o in core.stats().owners}
+    assert (usage["q"].num_pages_held, usage["q"].quota_pages, usage["q"].num_requests) == (3, 3, 2)
+    assert (usage["free"].num_pages_held, usage["free"].quota_pages) == (0, None)
+    before = snapshot(core)
+    res = alloc(core, "q", [qa, qb], [1, 1])  # pages are free (5), the quota is not
+    assert statuses(res) == [QUOTA_EXCEEDED, QUOTA_EXCEEDED]
+    assert res.kv_loc.size == 0
+    assert_unchanged(before, core)
+    # Others are not limited by q's quota.
+    res = alloc(core, "free", [fa], [16])
+    assert statuses(res) == [OK]
+    assert core.pool.num_free == 1
+    # Short of both: the quota is reported.
+    res = alloc(core, "q", [qb], [8])
+    assert statuses(res) == [QUOTA_EXCEEDED]
+    # A truncate in the same step gives quota back before the allocs.
+    res = core.step("q", truncate_slots=[qa], truncate_lens=[4], alloc_slots=[qb], alloc_needs=[1])
+    # q: row qa: [1, 0, 0, 0]  len 4;  row qb: [p, 0, 0, 0]  len 1
+    assert statuses(res) == [OK]
+    assert res.num_pages_released == 2
+    usage = {o.owner: o for o in core.stats().owners}
+    assert usage["q"].num_pages_held == 2 and usage["free"].num_pages_held == 4
+    assert core.stats().num_used_pages == 6
+    assert_audit(core)
+
+
+def test_quota_is_admitted_greedily_and_exactly(make_core) -> None:
+    core = make_core()
+    core.add_owner("q", quota_pages=3)
+    core.open("q", ["x", "y", "z"])
+    res = alloc(core, "q", [1, 2, 3], [8, 8, 4])
+    # row 1: [1, 2, 0, 0]  len 8   row 2: refused   row 3: [3, 0, 0, 0]  len 4
+    assert statuses(res) == [OK, QUOTA_EXCEEDED, OK]
+    assert [pages_of(res, i) for i in range(3)] == [[1, 2], [], [3]]
+    assert core.stats().owners[0].num_pages_held == 3
+    res = alloc(core, "q", [1, 2, 3], [1, 1, 1], atomic=True)
+    assert statuses(res) == [QUOTA_EXCEEDED, QUOTA_EXCEEDED, QUOTA_EXCEEDED]
+    core.step("q", release_slots=[3])
+    res = alloc(core, "q", [2, 1], [1, 1], atomic=True)
+    assert statuses(res) == [ABORTED, QUOTA_EXCEEDED]
+    assert core.stats().owners[0].num_pages_held == 2
+    core.add_owner("zero", quota_pages=0)
+    (z,) = core.open("zero", ["z"]).tolist()
+    assert statuses(alloc(core, "zero", [z], [0])) == [OK]
+    assert statuses(alloc(core, "zero", [z], [1])) == [QUOTA_EXCEEDED]
+    assert core.alloced_len("zero", z) == 0
+
+
+# --------------------------------------------------------------------- truncate
+
+
+def ten_tokens(make_core) -> KVCore:
+    core = two_requests(make_core)
+    alloc(core, "a", [1, 2], [10, 2])
+    # row 1: [1, 2, 3, 0]  len 10
+    # row 2: [4, 0, 0, 0]  len 2
+    assert [row(core, 1), row(core, 2)] == [[1, 2, 3, 0], [4, 0, 0, 0]]
+    return core
+
+
+def test_truncate_to_zero(make_core) -> None:
+    core = ten_tokens(make_core)
+    res = core.step("a", truncate_slots=[1], truncate_lens=[0])
+    # row 1: [0, 0, 0, 0]  len 0   (still open)
+    assert res.num_pages_released == 3 and res.alloc_status.size == 0
+    assert row(core, 1) == [0, 0, 0, 0]
+    assert core.alloced_len("a", 1) == 0
+    assert core.pool.ref_cnt[1:4].tolist() == [0, 0, 0]
+    assert core.pool.num_free == 7
+    assert core.stats().num_open_requests == 2
+    res = alloc(core, "a", [1], [1])
+    assert res.new_pages.size == 1 and res.new_pages[0] in (1, 2, 3)
+    assert res.kv_loc.tolist() == [res.new_pages[0] * PS]
+    assert_audit(core)
+
+
+def test_truncate_to_a_page_boundary(make_core) -> None:
+    core = ten_tokens(make_core)
+    res = core.step("a", truncate_slots=[1], truncate_lens=[8])
+    # row 1: [1, 2, 0, 0]  len 8   page 3 dropped
+    assert res.num_pages_released == 1
+    assert row(core, 1) == [1, 2, 0, 0]
+    assert core.alloced_len("a", 1) == 8
+    assert core.pool.ref_cnt[3] == 0 and core.pool.num_free == 5
+    res = alloc(core, "a", [1], [1])  # token 8 starts a new page at offset 0
+    (page,) = res.new_pages.tolist()
+    assert row(core, 1) == [1, 2, page, 0]
+    assert res.kv_loc.tolist() == [page * PS]
+    assert_audit(core)
+
+
+def test_truncate_to_mid_page(make_core) -> None:
+    core = ten_tokens(make_core)
+    res = core.step("a", truncate_slots=[1], truncate_lens=[5])
+    # row 1: [1, 2, 0, 0]  len 5   page 2 keeps offset 0 only
+    assert res.num_pages_released == 1
+    assert row(core, 1) == [1, 2, 0, 0]
+    assert core.alloced_len("a", 1) == 5
+    res = alloc(core, "a", [1], [2])  # reuses page 2 offsets 1, 2
+    # row 1: [1, 2, 0, 0]  len 7
+    assert res.kv_loc.tolist() == [9, 10] and res.new_pages.size == 0
+    assert_audit(core)
+
+
+def test_truncate_to_the_same_length_and_several_slots(make_core) -> None:
+    core = ten_tokens(make_core)
+    before = snapshot(core)
+    res = core.step("a", truncate_slots=[1, 2], truncate_lens=[10, 2])
+    assert res.num_pages_released == 0
+    assert_unchanged(before, core)
+    res = core.step("a", truncate_slots=[2, 1], truncate_lens=[0, 1])
+    # row 1: [1, 0, 0, 0]  len 1   row 2: [0, 0, 0, 0]  len 0
+    assert res.num_pages_released == 3
+    assert [row(core, 1), row(core, 2)] == [[1, 0, 0, 0], [0, 0, 0, 0]]
+    assert core.pool.num_free == 7
+
+
+def test_truncate_and_alloc_the_same_slot_in_one_step(make_core) -> None:
+    core = ten_tokens(make_core)
+    res = core.step("a", truncate_slots=[1], truncate_lens=[6], alloc_slots=[1], alloc_needs=[3])
+    # after the truncate: row 1: [1, 2, 0, 0]  len 6
+    # after the alloc:    row 1: [1, 2, p, 0]  len 9   tokens 6, 7 on page 2, 8 on p
+    assert statuses(res) == [OK]
+    assert res.num_pages_released == 1
+    (page,) = res.new_pages.tolist()
+    assert row(core, 1) == [1, 2, page, 0]
+    assert res.kv_loc.tolist() == [10, 11, page * PS]
+    assert core.alloced_len("a", 1) == 9
+    # alloc_expected_lens is the length the alloc starts from: after the truncate.
+    res = core.step(
+        "a", truncate_slots=[1], truncate_lens=[2], alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[2]
+    )
+    # row 1: [1, 0, 0, 0]  len 3
+    assert statuses(res) == [OK] and res.kv_loc.tolist() == [6]
+    before = snapshot(core)
+    err = raises(
+        Reason.ALLOCED_LEN_MISMATCH,
+        core.step,
+        "a",
+        truncate_slots=[1],
+        truncate_lens=[1],
+        alloc_slots=[1],
+        alloc_needs=[1],
+        alloc_expected_lens=[3],
+    )
+    assert "alloc_expected_lens[0] = 3" in str(err) and "alloced_len 1" in str(err)
+    assert_unchanged(before, core)
+
+
+# ---------------------------------------------------------------------- release
+
+
+def test_release_and_reuse_of_a_slot(make_core) -> None:
+    core = ten_tokens(make_core)
+    res = core.step("a", release_slots=[1])
+    # row 1: [0, 0, 0, 0]  closed   row 2: [4, 0, 0, 0]  len 2
+    assert res.num_pages_released == 3 and res.alloc_status.size == 0
+    assert row(core, 1) == [0, 0, 0, 0] and row(core, 2) == [4, 0, 0, 0]
+    assert core.pool.ref_cnt.tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0]
+    assert core.pool.num_free == 7
+    stats = core.stats()
+    assert (stats.num_open_requests, stats.num_free_request_slots) == (1, 3)
+    assert stats.owners[0].num_requests == 1 and stats.owners[0].num_pages_held == 1
+    raises(Reason.SLOT_NOT_FOUND, core.alloced_len, "a", 1)
+    before = snapshot(core)
+    raises(Reason.SLOT_NOT_FOUND, core.step, "a", release_slots=[1])  # released twice
+    assert_unchanged(before, core)
+    # The slot comes back for a new request (even one reusing the old id), empty.
+    (slot,) = core.open("a", ["r1"]).tolist()
+    assert slot == 1
+    assert core.alloced_len("a", slot) == 0 and row(core, slot) == [0, 0, 0, 0]
+    res = alloc(core, "a", [slot], [5])
+    assert res.new_pages.size == 2 and set(res.new_pages.tolist()) <= {1, 2, 3, 5, 6, 7, 8}
+    assert row(core, slot) == res.new_pages.tolist() + [0, 0]
+    assert_audit(core)
+
+
+def test_release_frees_pages_for_the_allocs_of_the_same_step(make_core) -> None:
+    core = fill_for_out_of_pages(make_core)
+    res = core.step("a", release_slots=[1], alloc_slots=[3, 4], alloc_needs=[16, 4])
+    # row 1: closed   row 3: four pages among 1..4 and 8   row 4: the fifth
+    assert statuses(res) == [OK, OK]
+    assert res.num_pages_released == 4
+    assert sorted(res.new_pages.tolist()) == [1, 2, 3, 4, 8]
+    assert row(core, 3) == pages_of(res, 0) and row(core, 4)[0] == pages_of(res, 1)[0]
+    assert core.pool.num_free == 0
+
+
+def test_release_several_and_count(make_core) -> None:
+    core = ten_tokens(make_core)
+    res = core.step("a", release_slots=[2, 1])
+    assert res.num_pages_released == 4
+    assert not core.block_table.any()
+    assert core.pool.num_free == 8 and not core.pool.ref_cnt.any()
+    assert core.stats().num_open_requests == 0 and core.stats().owners[0].num_pages_held == 0
+    # A released request id is a new request when opened again.
+    assert core.open("a", ["r2", "r1"]).tolist() == [1, 2]
+
+
+# ------------------------------------------------------------------------- open
+
+
+def test_open_is_idempotent_per_request_id(make_core) -> None:
+    core = make_core()
+    core.add_owner("a")
+    core.add_owner("b")
+    slots = core.open("a", ["r1", "r2"])
+    assert slots.dtype == np.int32 and slots.tolist() == [1, 2]
+    assert core.open("a", ["r2", "r1"]).tolist() == [2, 1]
+    assert core.open("a", ["r3", "r3", "r1"]).tolist() == [3, 3, 1]
+    assert core.open("b", ["r1"]).tolist() == [4]  # the same id of another owner is another request
+    assert core.open("a", []).tolist() == []
+    stats = core.stats()
+    assert (stats.num_open_requests, stats.num_free_request_slots) == (4, 0)
+    assert {o.owner: o.num_requests for o in stats.owners} == {"a": 3, "b": 1}
+    # Reopening existing ids needs no free slot.
+    assert core.open("a", ["r1", "r2", "r3"]).tolist() == [1, 2, 3]
+
+
+def test_open_without_a_free_slot_opens_nothing(make_core) -> None:
+    core = make_core()
+    core.add_owner("a")
+    core.open("a", ["r1", "r2", "r3"])
+    before = snapshot(core)
+    err = raises(Reason.NO_FREE_REQUEST_SLOT, core.open, "a", ["r1", "n1", "n2"])
+    assert err.kind is ErrorKind.RESOURCE_EXHAUSTED
+    assert "request slot" in str(err) and "2 new request(s)" in str(err) and "1 of 4" in str(err)
+    assert err.metadata == {"requested": "2", "free": "1"}
+    assert_unchanged(before, core)
+    assert core.open("a", ["r1", "n1", "n1"]).tolist() == [1, 4, 4]
+    raises(Reason.NO_FREE_REQUEST_SLOT, core.open, "a", ["n2"])
+
+
+@pytest.mark.parametrize("bad", ["", 5, None, b"x"])
+def test_open_rejects_bad_request_ids(make_core, bad) -> None:
+    core = make_core()
+    core.add_owner("a")
+    before = snapshot(core)
+    err = raises(Reason.BAD_VALUE, core.open, "a", ["ok", bad])
+    assert "#1" in str(err) and repr(bad) in str(err)
+    assert_unchanged(before, core)
+
+
+# ------------------------------------------------------------- pool double free
+
+
+def test_pool_unref_detects_double_free() -> None:
+    pool = PagePool(6)
+    pages = pool.take(3)
+    assert pages.tolist() == [1, 2, 3]
+    assert pool.num_free == 2 and pool.ref_cnt.tolist() == [0, 1, 1, 1, 0, 0]
+    assert pool.unref(np.array([2], dtype=np.int32)) == 1
+    assert pool.unref(np.zeros(0, dtype=np.int32)) == 0
+
+    def frozen() -> tuple:
+        return pool.ref_cnt.tolist(), pool.num_free, pool._free[: pool.num_free].tolist()
+
+    before = frozen()
+    for bad, named in [
+        ([2], "2"),  # already free
+        ([1, 2], "2"),  # one good, one free: nothing changes, not even page 1
+        ([3, 3], "3"),  # count 1, dropped twice in one call
+        ([1, 3, 1], "1"),
+        ([0], "0"),  # the padding page
+        ([6], "6"),  # out of range
+        ([-1], "-1"),
+    ]:
+        with pytest.raises(CorruptionError) as info:
+            pool.unref(np.array(bad, dtype=np.int32))
+        assert info.value.reason is Reason.CORRUPTION and info.value.kind is ErrorKind.INTERNAL
+        assert named in str(info.value)
+        assert frozen() == before, bad
+    # A page referenced twice may be dropped twice in one call.
+    pool.ref_cnt[3] = 2
+    assert pool.unref(np.array([3, 1, 3], dtype=np.int32)) == 2
+    assert pool.num_free == 5 and not pool.ref_cnt.any()
+    assert sorted(pool._free[: pool.num_free].tolist()) == [1, 2, 3, 4, 5]
+    with pytest.raises(CorruptionError):
+        pool.take(6)
+
+
+def test_double_free_through_the_core_changes_nothing(make_core) -> None:
+    core = ten_tokens(make_core)
+    core.step("a", release_slots=[1])
+    # pages 1, 2, 3 are free; page 4 is row 2's
+    before = snapshot(core)
+    for bad in ([1], [4, 2], [4, 4]):
+        with pytest.raises(CorruptionError) as info:
+            core.pool.unref(np.array(bad, dtype=np.int32))
+        assert "double free" in str(info.value)
+        assert_unchanged(before, core)
+
+
+# ------------------------------------------------------------------- owners
+
+
+def test_add_owner_validation(make_core) -> None:
+    core = make_core()
+    core.add_owner("a", quota_pages=0)
+    before = snapshot(core)
+    err = raises(Reason.BAD_VALUE, core.add_owner, "a")
+    assert "'a'" in str(err)
+    err = raises(Reason.BAD_VALUE, core.add_owner, "b", quota_pages=-1)
+    assert "-1" in str(err)
+    raises(Reason.BAD_VALUE, core.add_owner, "b", quota_pages=1.5)
+    assert_unchanged(before, core)
+    assert not core.has_owner("b") and core.has_owner("a")
+
+
+def test_remove_owner_releases_everything(make_core) -> None:
+    core = make_core()
+    core.add_owner("a")
+    core.add_owner("b", quota_pages=4)
+    core.open("a", ["r1", "r2"])
+    core.open("b", ["r1"])
+    alloc(core, "a", [1, 2], [5, 9])
+    alloc(core, "b", [3], [3])
+    # a: row 1: [1, 2, 0, 0]  len 5;  row 2: [3, 4, 5, 0]  len 9
+    # b: row 3: [6, 0, 0, 0]  len 3
+    assert core.remove_owner("a") == 2
+    assert not core.has_owner("a")
+    assert not core.block_table[[1, 2]].any()
+    assert row(core, 3) == [6, 0, 0, 0] and core.alloced_len("b", 3) == 3
+    assert core.pool.ref_cnt.tolist() == [0, 0, 0, 0, 0, 0, 1, 0, 0]
+    stats = core.stats()
+    assert stats.num_free_pages == 7 and stats.num_open_requests == 1 and stats.num_free_request_slots == 3
+    assert [(o.owner, o.num_requests, o.num_pages_held, o.quota_pages) for o in stats.owners] == [("b", 1, 1, 4)]
+    assert_audit(core)
+    before = snapshot(core)
+    err = raises(Reason.UNKNOWN_SESSION, core.step, "a", release_slots=[1])
+    assert "'a'" in str(err)
+    raises(Reason.UNKNOWN_SESSION, core.alloced_len, "a", 1)
+    raises(Reason.UNKNOWN_SESSION, core.open, "a", ["r1"])
+    raises(Reason.UNKNOWN_SESSION, core.remove_owner, "a")
+    assert_unchanged(before, core)
+    # The name may come back: a new owner with nothing.
+    core.add_owner("a")
+    (slot,) = core.open("a", ["r1"]).tolist()
+    assert core.alloced_len("a", slot) == 0 and row(core, slot) == [0, 0, 0, 0]
+    assert core.remove_owner("b") == 1
+    assert core.remove_owner("a") == 1
+    assert not core.block_table.any() and core.pool.num_free == 8
+    assert core.stats().num_free_request_slots == 4
+
+
+# -------------------------------------------------------------- isolation
+
+
+def test_another_owners_slot_is_not_found_exactly_like_a_closed_one(make_core) -> None:
+    core = make_core()
+    core.add_owner("a")
+    core.add_owner("b")
+    (slot,) = core.open("a", ["secret"]).tolist()
+    alloc(core, "a", [slot], [6])
+    core.open("b", ["mine"])
+    calls = [
+        lambda: core.step("b", release_slots=[slot]),
+        lambda: core.step("b", truncate_slots=[slot], truncate_lens=[0]),
+        lambda: core.step("b", alloc_slots=[slot], alloc_needs=[1]),
+        lambda: core.step("b", alloc_slots=[slot], alloc_needs=[1], alloc_expected_lens=[6]),
+        lambda: core.alloced_len("b", slot),
+    ]
+    before = snapshot(core)
+    foreign = []
+    for call in calls:
+        err = raises(Reason.SLOT_NOT_FOUND, call)
+        assert f"slot {slot}" in str(err)
+        foreign.append((str(err), err.metadata))
+    assert_unchanged(before, core)
+    core.step("a", release_slots=[slot])
+    closed = [(str(err), err.metadata) for err in (raises(Reason.SLOT_NOT_FOUND, call) for call in calls)]
+    assert closed == foreign
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validation_state(make_core) -> KVCore:
+    core = make_core()
+    core.add_owner("a")
+    core.add_owner("b")
+    assert core.open("a", ["r1", "r2"]).tolist() == [1, 2]
+    assert core.open("b", ["r3"]).tolist() == [3]
+    alloc(core, "a", [1], [6])
+    alloc(core, "b", [3], [1])
+    # a: row 1: [1, 2, 0, 0]  len 6;  row 2: [0, 0, 0, 0]  len 0
+    # b: row 3: [3, 0, 0, 0]  len 1
+    # slot 4 closed
+    assert [row(core, s) for s in (1, 2, 3, 4)] == [[1, 2, 0, 0], [0, 0, 0, 0], [3, 0, 0, 0], [0, 0, 0, 0]]
+    return core
+
+
+BIG = 2**40
+INVALID_STEPS = [
+    # (id, owner, step kwargs, reason, fragments the message must contain)
+    ("unknown-owner", "nobody", dict(alloc_slots=[1], alloc_needs=[1]), Reason.UNKNOWN_SESSION, ["'nobody'"]),
+    ("release-closed", "a", dict(release_slots=[4]), Reason.SLOT_NOT_FOUND, ["release_slots[0]", "slot 4"]),
+    ("truncate-closed", "a", dict(truncate_slots=[4], truncate_lens=[0]), Reason.SLOT_NOT_FOUND,
+     ["truncate_slots[0]", "slot 4"]),
+    ("alloc-closed", "a", dict(alloc_slots=[2, 4], alloc_needs=[1, 1]), Reason.SLOT_NOT_FOUND,
+     ["alloc_slots[1]", "slot 4"]),
+    ("release-other-owner", "a", dict(release_slots=[3]), Reason.SLOT_NOT_FOUND, ["slot 3"]),
+    ("truncate-other-owner", "a", dict(truncate_slots=[3], truncate_lens=[0]), Reason.SLOT_NOT_FOUND, ["slot 3"]),
+    ("alloc-other-owner", "a", dict(alloc_slots=[1, 3], alloc_needs=[1, 1]), Reason.SLOT_NOT_FOUND,
+     ["alloc_slots[1]", "slot 3"]),
+    ("slot-0", "a", dict(alloc_slots=[0], alloc_needs=[1]), Reason.SLOT_NOT_FOUND, ["slot 0"]),
+    ("slot-past-max", "a", dict(alloc_slots=[5], alloc_needs=[1]), Reason.SLOT_NOT_FOUND, ["slot 5"]),
+    ("slot-sentinel+1", "a", dict(release_slots=[6]), Reason.SLOT_NOT_FOUND, ["slot 6"]),
+    ("slot-huge", "a", dict(truncate_slots=[BIG], truncate_lens=[0]), Reason.SLOT_NOT_FOUND, [f"slot {BIG}"]),
+    ("slot-negative", "a", dict(release_slots=[1, -1]), Reason.SLOT_NOT_FOUND, ["release_slots[1]", "slot -1"]),
+    ("slot-very-negative", "a", dict(alloc_slots=[-BIG], alloc_needs=[1]), Reason.SLOT_NOT_FOUND, [f"slot {-BIG}"]),
+    ("release-duplicate", "a", dict(release_slots=[1, 2, 1]), Reason.DUPLICATE_SLOT, ["slot 1", "twice"]),
+    ("truncate-duplicate", "a", dict(truncate_slots=[2, 2], truncate_lens=[0, 0]), Reason.DUPLICATE_SLOT,
+     ["truncate_slots", "slot 2", "twice"]),
+    ("alloc-duplicate", "a", dict(alloc_slots=[2, 1, 2], alloc_needs=[1, 1, 1]), Reason.DUPLICATE_SLOT,
+     ["alloc_slots", "slot 2", "twice"]),
+    ("alloc-duplicate-longer-than-slots", "a", dict(alloc_slots=[1] * 10, alloc_needs=[0] * 10),
+     Reason.DUPLICATE_SLOT, ["alloc_slots", "slot 1", "twice"]),
+    ("release-duplicate-longer-than-slots", "a", dict(release_slots=[2] * 7), Reason.DUPLICATE_SLOT,
+     ["slot 2", "twice"]),
+    ("alloc-released", "a", dict(release_slots=[2], alloc_slots=[1, 2], alloc_needs=[1, 1]), Reason.SLOT_NOT_FOUND,
+     ["alloc_slots[1]", "slot 2", "released"]),
+    ("truncate-released", "a", dict(release_slots=[1], truncate_slots=[1], truncate_lens=[0]),
+     Reason.SLOT_NOT_FOUND, ["truncate_slots[0]", "slot 1", "released"]),
+    ("negative-need", "a", dict(alloc_slots=[1, 2], alloc_needs=[1, -1]), Reason.BAD_VALUE,
+     ["alloc_needs[1]", "-1"]),
+    ("need-2^31", "a", dict(alloc_slots=[2], alloc_needs=[2**31]), Reason.BAD_VALUE, ["alloc_needs[0]", "2147483648"]),
+    ("negative-truncate-len", "a", dict(truncate_slots=[1], truncate_lens=[-2]), Reason.BAD_VALUE,
+     ["truncate_lens[0]", "-2"]),
+    ("truncate-beyond", "a", dict(truncate_slots=[2, 1], truncate_lens=[0, 7]), Reason.TRUNCATE_BEYOND_ALLOCED,
+     ["truncate_lens[1] = 7", "alloced_len 6", "slot 1"]),
+    ("truncate-beyond-empty", "a", dict(truncate_slots=[2], truncate_lens=[1]), Reason.TRUNCATE_BEYOND_ALLOCED,
+     ["= 1", "alloced_len 0", "slot 2"]),
+    ("expected-mismatch", "a", dict(alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[5]),
+     Reason.ALLOCED_LEN_MISMATCH, ["alloc_expected_lens[0] = 5", "slot 1", "alloced_len 6"]),
+    ("expected-mismatch-second", "a", dict(alloc_slots=[2, 1], alloc_needs=[1, 1], alloc_expected_lens=[0, 7]),
+     Reason.ALLOCED_LEN_MISMATCH, ["alloc_expected_lens[1] = 7", "alloced_len 6"]),
+    ("expected-below-minus-1", "a", dict(alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[-2]),
+     Reason.BAD_VALUE, ["alloc_expected_lens[0]", "-2"]),
+    ("float-needs", "a", dict(alloc_slots=[1], alloc_needs=np.array([1.0])), Reason.BAD_VALUE,
+     ["alloc_needs", "float64"]),
+    ("float-slots-list", "a", dict(alloc_slots=[1.5], alloc_needs=[1]), Reason.BAD_VALUE, ["alloc_slots", "float64"]),
+    ("float-release", "a", dict(release_slots=np.array([1.0], dtype=np.float32)), Reason.BAD_VALUE,
+     ["release_slots", "float32"]),
+    ("float-truncate-lens", "a", dict(truncate_slots=[1], truncate_lens=[0.5]), Reason.BAD_VALUE,
+     ["truncate_lens", "float64"]),
+    ("float-expected", "a", dict(alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[6.0]), Reason.BAD_VALUE,
+     ["alloc_expected_lens", "float64"]),
+    ("bool-needs", "a", dict(alloc_slots=[1], alloc_needs=[True]), Reason.BAD_VALUE, ["alloc_needs", "bool"]),
+    ("string-slots", "a", dict(release_slots=["1"]), Reason.BAD_VALUE, ["release_slots", "<U1"]),
+    ("2d-alloc-slots", "a", dict(alloc_slots=np.array([[1, 2]]), alloc_needs=[1, 1]), Reason.BAD_VALUE,
+     ["alloc_slots", "one-dimensional", "(1, 2)"]),
+    ("2d-needs", "a", dict(alloc_slots=[1, 2], alloc_needs=[[1], [1]]), Reason.BAD_VALUE,
+     ["alloc_needs", "(2, 1)"]),
+    ("2d-release", "a", dict(release_slots=np.array([[1], [2]], dtype=np.int64)), Reason.BAD_VALUE,
+     ["release_slots", "(2, 1)"]),
+    ("ragged", "a", dict(release_slots=[[1], [1, 2]]), Reason.BAD_VALUE, ["release_slots", "list of integers"]),
+    ("scalar", "a", dict(release_slots=1), Reason.BAD_VALUE, ["release_slots", "shape ()"]),
+    ("none", "a", dict(truncate_slots=None, truncate_lens=None), Reason.BAD_VALUE, ["truncate_slots"]),
+    ("uint64-beyond-int64", "a", dict(alloc_slots=[1], alloc_needs=np.array([2**63], dtype=np.uint64)),
+     Reason.BAD_VALUE, ["alloc_needs", "beyond int64"]),
+    ("int-beyond-int64", "a", dict(alloc_slots=[1], alloc_needs=[2**64]), Reason.BAD_VALUE, ["alloc_needs", "object"]),
+    ("alloc-length-mismatch", "a", dict(alloc_slots=[1, 2], alloc_needs=[1]), Reason.LENGTH_MISMATCH,
+     ["alloc_slots has 2", "alloc_needs has 1"]),
+    ("needs-without-slots", "a", dict(alloc_needs=[1]), Reason.LENGTH_MISMATCH, ["alloc_slots has 0", "has 1"]),
+    ("truncate-length-mismatch", "a", dict(truncate_slots=[1], truncate_lens=[0, 0]), Reason.LENGTH_MISMATCH,
+     ["truncate_slots has 1", "truncate_lens has 2"]),
+    ("expected-length-mismatch", "a", dict(alloc_slots=[1, 2], alloc_needs=[1, 1], alloc_expected_lens=[6]),
+     Reason.LENGTH_MISMATCH, ["alloc_expected_lens has 1", "alloc_slots has 2"]),
+    ("expected-without-allocs", "a", dict(alloc_expected_lens=[0]), Reason.LENGTH_MISMATCH,
+     ["alloc_slots has 0", "alloc_expected_lens has 1"]),
+    # Valid parts before the bad one are not applied either.
+    ("valid-release-then-bad-need", "a", dict(release_slots=[2], alloc_slots=[1], alloc_needs=[-5]),
+     Reason.BAD_VALUE, ["-5"]),
+    ("valid-truncate-then-mismatch", "a",
+     dict(truncate_slots=[1], truncate_lens=[0], alloc_slots=[1], alloc_needs=[16], alloc_expected_lens=[6]),
+     Reason.ALLOCED_LEN_MISMATCH, ["= 6", "alloced_len 0"]),
+    ("valid-alloc-then-bad-slot", "a", dict(release_slots=[1], truncate_slots=[2], truncate_lens=[0],
+                                            alloc_slots=[2, 3], alloc_needs=[16, 1]),
+     Reason.SLOT_NOT_FOUND, ["alloc_slots[1]", "slot 3"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("owner", "kwargs", "reason", "fragments"), [case[1:] for case in INVALID_STEPS], ids=[c[0] for c in INVALID_STEPS]
+)
+@pytest.mark.parametrize("atomic", [False, True])
+def test_invalid_step_raises_and_changes_nothing(make_core, owner, kwargs, reason, fragments, atomic) -> None:
+    core = validation_state(make_core)
+    before = snapshot(core)
+    lens = [core.alloced_len("a", 1), core.alloced_len("a", 2), core.alloced_len("b", 3)]
+    err = raises(reason, core.step, owner, atomic=atomic, **kwargs)
+    message = str(err)
+    assert message == err.message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    assert_unchanged(before, core)
+    assert [core.alloced_len("a", 1), core.alloced_len("a", 2), core.alloced_len("b", 3)] == lens == [6, 0, 1]
+
+
+def test_error_metadata_names_the_item(make_core) -> None:
+    core = validation_state(make_core)
+    err = raises(Reason.SLOT_NOT_FOUND, core.step, "a", alloc_slots=[2, 4], alloc_needs=[1, 1])
+    assert err.metadata == {"index": "1", "slot": "4"}
+    err = raises(Reason.TRUNCATE_BEYOND_ALLOCED, core.step, "a", truncate_slots=[1], truncate_lens=[9])
+    assert err.metadata == {"index": "0", "slot": "1", "alloced_len": "6"}
+    err = raises(Reason.ALLOCED_LEN_MISMATCH, core.step, "a", alloc_slots=[1], alloc_needs=[0], alloc_expected_lens=[0])
+    assert err.metadata == {"index": "0", "slot": "1", "alloced_len": "6"}
+    err = raises(Reason.UNKNOWN_SESSION, core.step, "zz")
+    assert err.metadata == {"owner": "zz"}
+    assert repr(err) == "KVMemError(UNKNOWN_SESSION, \"unknown owner 'zz'\")"
+
+
+def test_expected_lens_that_match_or_are_absent(make_core) -> None:
+    core = validation_state(make_core)
+    res = alloc(core, "a", [1, 2], [1, 1], alloc_expected_lens=[6, 0])
+    assert statuses(res) == [OK, OK]
+    res = alloc(core, "a", [1, 2], [1, 1], alloc_expected_lens=[-1, 1])  # -1: no expectation
+    assert statuses(res) == [OK, OK]
+    res = alloc(core, "a", [1, 2], [1, 1], alloc_expected_lens=[])  # empty: none at all
+    assert statuses(res) == [OK, OK]
+    assert [core.alloced_len("a", 1), core.alloced_len("a", 2)] == [9, 3]
+    # A failed item with a right expectation is still a result, not an error.
+    res = alloc(core, "a", [1], [8], alloc_expected_lens=[9])
+    assert statuses(res) == [CONTEXT_TOO_LONG]
+
+
+@pytest.mark.parametrize("slot", [0, 4, 3, 5, -1, BIG])
+def test_alloced_len_of_a_slot_not_open_here(make_core, slot) -> None:
+    core = validation_state(make_core)
+    assert core.alloced_len("a", 1) == 6 and core.alloced_len("a", 2) == 0 and core.alloced_len("b", 3) == 1
+    err = raises(Reason.SLOT_NOT_FOUND, core.alloced_len, "a", slot)
+    assert f"slot {slot}" in str(err)
+    assert str(err) == f"request slot {slot} is not open in this session"
