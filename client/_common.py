@@ -65,16 +65,18 @@ def step_request(
     alloc_expected_lens: IntsLike | None = None,
     atomic: bool = False,
 ) -> kvmem_pb2.StepRequest:
-    return kvmem_pb2.StepRequest(
-        session_id=session_id,
-        release_slots=_ints(release_slots),
-        truncate_slots=_ints(truncate_slots),
-        truncate_lens=_ints(truncate_lens),
-        alloc_slots=_ints(alloc_slots),
-        alloc_needs=_ints(alloc_needs),
-        alloc_expected_lens=() if alloc_expected_lens is None else _ints(alloc_expected_lens),
-        atomic=atomic,
-    )
+    # Construct, then extend each column: the same message as passing every column to the
+    # constructor, but an empty column costs next to nothing this way, and most steps
+    # leave four of the six empty (bench/rpc_bench.py: 3-5 µs less per step).
+    req = kvmem_pb2.StepRequest(session_id=session_id, atomic=atomic)
+    req.release_slots.extend(_ints(release_slots))
+    req.truncate_slots.extend(_ints(truncate_slots))
+    req.truncate_lens.extend(_ints(truncate_lens))
+    req.alloc_slots.extend(_ints(alloc_slots))
+    req.alloc_needs.extend(_ints(alloc_needs))
+    if alloc_expected_lens is not None:
+        req.alloc_expected_lens.extend(_ints(alloc_expected_lens))
+    return req
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,0 +1,237 @@
+"""The ``kvmem`` command line, run as a real process: ``[python, -m, kvmem.server.cli, ...]``.
+
+Every run starts from an environment without ``KVMEM_*`` variables, so a developer's
+settings cannot change what the tests see; tests that are about the environment set
+their variables explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import grpc
+import pytest
+from conftest import ServerProcess, start_server
+
+from kvmem.client import KVMemClient
+from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
+
+CLI = [sys.executable, "-m", "kvmem.server.cli"]
+
+# Every `kvmem serve` option and its default as the help shows it.
+SERVE_OPTIONS = {
+    "--socket": "/tmp/kvmem.sock",
+    "--tcp": "none",
+    "--auth-token": "none",
+    "--page-size": "16",
+    "--num-pages": "4096",
+    "--max-requests": "256",
+    "--max-context": "8192",
+    "--memory": "none",
+    "--device": "cpu",
+    "--devices": "none",
+    "--shm-dir": "/dev/shm",
+    "--format": "mha",
+    "--layers": "2",
+    "--kv-heads": "2",
+    "--head-dim": "64",
+    "--kv-lora-rank": "512",
+    "--rope-dim": "64",
+    "--dtype": "bfloat16",
+    "--lease-ms": "10000",
+    "--shutdown-grace-ms": "5000",
+    "--log-level": "info",
+}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
+    env["COLUMNS"] = "200"  # argparse wraps help at the terminal width
+    env.update(extra)
+    return env
+
+
+def kvmem(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=env or clean_env(), timeout=timeout)
+
+
+def option_entries(help_text: str) -> dict[str, str]:
+    """Option -> its help entry (invocation and text, whitespace collapsed)."""
+    entries: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in help_text.splitlines():
+        m = re.match(r"^  (-[\w-]+)", line)  # "  --page-size PAGE_SIZE ..." or "  -h, --help ..."
+        if m:
+            current = entries.setdefault(m.group(1), [])
+            current.append(line)
+        elif current is not None and line.startswith("      "):
+            current.append(line)
+        else:
+            current = None
+    return {flag: " ".join(" ".join(lines).split()) for flag, lines in entries.items()}
+
+
+def env_name(flag: str) -> str:
+    return "KVMEM_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def stats_of(server: ServerProcess) -> kvmem_pb2.StatsResponse:
+    with grpc.insecure_channel(server.target) as channel:
+        return kvmem_pb2_grpc.KVMemoryStub(channel).Stats(kvmem_pb2.StatsRequest(), timeout=5)
+
+
+# -------------------------------------------------------------------------- help
+
+
+def test_top_level_help_lists_the_commands() -> None:
+    run = kvmem("--help")
+    assert run.returncode == 0, run.stderr
+    for command in ("serve", "health", "stats"):
+        assert re.search(rf"^\s+{command}\s+\S", run.stdout, re.M), run.stdout
+    no_command = kvmem()
+    assert no_command.returncode != 0 and "COMMAND" in no_command.stderr
+
+
+def test_serve_help_names_every_option_with_its_default_and_env_var() -> None:
+    run = kvmem("serve", "--help")
+    assert run.returncode == 0, run.stderr
+    entries = option_entries(run.stdout)
+    assert set(entries) == {"-h", *SERVE_OPTIONS}, sorted(entries)
+    for flag, default in SERVE_OPTIONS.items():
+        assert f"(default: {default}; env {env_name(flag)})" in entries[flag], entries[flag]
+    assert "KVMEM_" in run.stdout.split("options:")[0]  # the description says env vars exist
+
+
+@pytest.mark.parametrize("command", ["health", "stats"])
+def test_client_command_help_names_defaults_and_env_vars(command: str) -> None:
+    run = kvmem(command, "--help")
+    assert run.returncode == 0, run.stderr
+    entries = option_entries(run.stdout)
+    for flag, default in (("--socket", "/tmp/kvmem.sock"), ("--tcp", "none"), ("--auth-token", "none")):
+        assert f"(default: {default}; env {env_name(flag)})" in entries[flag], entries[flag]
+    assert "(default: 3)" in entries["--timeout"]
+
+
+# ------------------------------------------------------------------------ health
+
+
+def test_health_exits_0_when_serving_and_1_with_a_reason_when_not(server: ServerProcess, tmpdir_short: str) -> None:
+    ready = kvmem("health", "--socket", server.socket_path)
+    assert ready.returncode == 0, ready.stderr
+    assert "SERVING" in ready.stdout and "NOT_SERVING" not in ready.stdout
+    alive = kvmem("health", "--socket", server.socket_path, "--service", "")
+    assert alive.returncode == 0 and "liveness" in alive.stdout and "SERVING" in alive.stdout
+    by_env = kvmem("health", env=clean_env(KVMEM_SOCKET=server.socket_path))
+    assert by_env.returncode == 0, by_env.stderr
+
+    missing = os.path.join(tmpdir_short, "nobody.sock")
+    down = kvmem("health", "--socket", missing, "--timeout", "2")
+    assert down.returncode != 0
+    assert missing in down.stderr and "UNAVAILABLE" in down.stderr, down.stderr
+    unknown = kvmem("health", "--socket", server.socket_path, "--service", "no.such.Service")
+    assert unknown.returncode != 0 and "NOT_FOUND" in unknown.stderr, unknown.stderr
+
+
+# ------------------------------------------------------------------------- stats
+
+
+def test_stats_prints_a_table_and_json(server: ServerProcess) -> None:
+    with KVMemClient(server.target, name="cli-worker", quota_pages=40) as kv:
+        kv.alloc(kv.open(["r0", "r1"]), [5, 9])  # 2 + 3 pages
+        # Both at once: each imports the client library (and torch), which takes a while.
+        runs = {
+            name: subprocess.Popen([*CLI, "stats", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=clean_env())  # fmt: skip
+            for name, args in (
+                ("table", ["--socket", server.socket_path, "--audit"]),
+                ("json", ["--socket", server.socket_path, "--json"]),
+            )
+        }
+        out = {name: (p.communicate(timeout=60), p.returncode) for name, p in runs.items()}
+
+    (table, err), code = out["table"]
+    assert code == 0, err
+    assert re.search(r"pages used 5 \(2\.0%\)\s+cached 0\s+free 251", table), table
+    assert re.search(r"pool\s+256 pages x 4 tokens; max 16 requests, 256 tokens each", table), table
+    assert re.search(r"request slots open 2\s+free 14", table), table
+    assert "audit OK" in table
+    header, row = [line.split() for line in table.splitlines()[-2:]]
+    assert header == ["#", "session", "requests", "pages", "quota", "idle"]
+    assert row[1:5] == ["cli-worker", "2", "5", "40"], row
+
+    (text, err), code = out["json"]
+    assert code == 0, err
+    d = json.loads(text)
+    counters = {k: int(d[k]) for k in ("numPagesTotal", "numFreePages", "numUsedPages", "numCachedPages",
+                                       "numFreeRequestSlots", "numOpenRequests")}  # fmt: skip
+    assert counters == {"numPagesTotal": 256, "numFreePages": 251, "numUsedPages": 5, "numCachedPages": 0,
+                        "numFreeRequestSlots": 14, "numOpenRequests": 2}  # fmt: skip
+    assert d["geometry"]["pageSize"] == 4 and d["geometry"]["numPages"] == 257
+    [session] = d["sessions"]
+    assert session["name"] == "cli-worker" and int(session["numPagesHeld"]) == 5 and int(session["quotaPages"]) == 40
+    assert d["audit"]["ran"] is False  # no --audit: the O(pool) audit did not run
+
+
+# ------------------------------------------------------------------ serve options
+
+
+def test_serve_honours_kvmem_env_vars_and_the_command_line_wins(tmpdir_short: str) -> None:
+    by_env = start_server(tmpdir_short, env=clean_env(KVMEM_PAGE_SIZE="8", KVMEM_NUM_PAGES="33",
+                                                      KVMEM_MAX_CONTEXT="256", KVMEM_LEASE_MS="2500",
+                                                      KVMEM_DEBUG="1"),
+                          socket_name="env.sock")  # fmt: skip
+    both = start_server(tmpdir_short, "--page-size", "2", "--max-context", "4096", env=clean_env(KVMEM_PAGE_SIZE="8", KVMEM_DEBUG="1"),
+                        socket_name="cli.sock")  # fmt: skip
+    try:
+        g = stats_of(by_env).geometry
+        assert (g.page_size, g.num_pages, g.max_requests, g.max_context_len) == (8, 33, 256, 256)
+        with grpc.insecure_channel(by_env.target) as channel:
+            attached = kvmem_pb2_grpc.KVMemoryStub(channel).Attach(kvmem_pb2.AttachRequest(name="x"), timeout=5)
+        assert attached.lease_ms == 2500
+        assert stats_of(both).geometry.page_size == 2
+    finally:
+        assert by_env.stop() == 0, by_env.log()
+        assert both.stop() == 0, both.log()
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--page-size", "0"], ["--page-size", "0"]),
+        (["--num-pages", "1"], ["--num-pages", "1"]),
+        (["--max-requests", "0"], ["--max-requests", "0"]),
+        (["--max-context", "0"], ["--max-context", "0"]),
+        (["--lease-ms", "0"], ["--lease-ms", "0"]),
+        (["--page-size", "many"], ["--page-size", "many"]),
+        (["--socket", "none"], ["--socket", "--tcp"]),  # nothing to listen on
+        (["--socket", "none", "--tcp", "0.0.0.0:{port}"], ["0.0.0.0", "--auth-token"]),  # beyond loopback, no token
+        (["--tcp", "localhost"], ["--tcp", "HOST:PORT", "localhost"]),
+    ],
+)
+def test_serve_refuses_bad_options_naming_them(tmpdir_short: str, args: list[str], named: list[str]) -> None:
+    path = os.path.join(tmpdir_short, "bad.sock")
+    port = str(free_tcp_port())
+    run = kvmem("serve", "--socket", path, *(a.replace("{port}", port) for a in args))
+    assert run.returncode != 0
+    for word in named:
+        assert word in run.stderr, f"{word!r} not in {run.stderr!r}"
+    assert "Traceback" not in run.stderr
+    assert not os.path.exists(path)
+
+
+def test_serve_refuses_a_bad_env_value_naming_the_variable(tmpdir_short: str) -> None:
+    run = kvmem("serve", "--socket", os.path.join(tmpdir_short, "x.sock"), env=clean_env(KVMEM_PAGE_SIZE="lots"))
+    assert run.returncode != 0
+    assert "KVMEM_PAGE_SIZE" in run.stderr and "lots" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
