@@ -12,6 +12,7 @@ import torch
 
 from kvmem.client import _common as common
 from kvmem.client._common import IntsLike, StepResult
+from kvmem.client.memory import MemoryViews
 from kvmem.client.errors import KVMemError, SessionLost, from_rpc_error
 from kvmem.client.sync import CHANNEL_OPTIONS
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
@@ -19,7 +20,7 @@ from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 T = TypeVar("T")
 
 
-class AsyncKVMemClient:
+class AsyncKVMemClient(MemoryViews):
     """A session with a kvmem server, for asyncio schedulers.
 
     ``client = await AsyncKVMemClient.connect(target, name=...)`` or
@@ -153,6 +154,7 @@ class AsyncKVMemClient:
             pass
         finally:
             await self._stop_keepalive()
+            self._unmap()
             await self._channel.close()
             self._channel = None
 

@@ -283,3 +283,37 @@ class MappedMemory:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._kv)} rank(s)"
         return f"MappedMemory({self.backend}, {state})"
+
+
+class MemoryViews:
+    """What both clients offer over the memory handles their Attach returned (mixed into
+    :class:`~kvmem.client.KVMemClient` and :class:`~kvmem.client.AsyncKVMemClient`).
+    The handles are mapped on first use, once per allocation."""
+
+    memory_handles: list[kvmem_pb2.MemoryHandle]
+    geometry: kvmem_pb2.PoolGeometry
+    _mapped: MappedMemory | None = None
+
+    @property
+    def memory(self) -> MappedMemory:
+        """The server's KV memory and block table(s), mapped into this process."""
+        if self._mapped is None:
+            self._mapped = MappedMemory.open(self.memory_handles, self.geometry)
+        return self._mapped
+
+    def kv_cache(self, rank: int = 0) -> list[KVLayer]:
+        """Per layer: ``(k, v)`` views ``[num_tokens, kv_heads, head_dim]`` (mha) or the
+        latent ``[num_tokens, kv_lora_rank + rope_dim]`` (mla), indexed by ``kv_loc``."""
+        return self.memory.kv_cache(rank)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """int32 ``[max_requests + 1, max_pages_per_request]``; row ``slot`` lists the
+        request's pages. Read-only (shm) or the device copy of rank 0 (cuda); it is
+        current when a Step response arrives."""
+        return self.memory.block_table
+
+    def _unmap(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None

@@ -10,6 +10,7 @@ import torch
 
 from kvmem.client import _common as common
 from kvmem.client._common import IntsLike, StepResult
+from kvmem.client.memory import MemoryViews
 from kvmem.client.errors import KVMemError, SessionLost, from_rpc_error
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
@@ -21,7 +22,7 @@ CHANNEL_OPTIONS = (
 )
 
 
-class KVMemClient:
+class KVMemClient(MemoryViews):
     """A session with a kvmem server.
 
     ``target`` is a unix socket path (``/tmp/kvmem.sock`` or ``unix:/tmp/kvmem.sock``)
@@ -142,6 +143,7 @@ class KVMemClient:
             pass  # the session is gone either way
         finally:
             self._stop_keepalive()
+            self._unmap()
             self._channel.close()
             self._channel = None  # type: ignore[assignment]
 

@@ -21,8 +21,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmem.server.core import CoreConfig
+from kvmem.server.memory import (
+    CudaBackend,
+    GeometryError,
+    KVGeometry,
+    MemoryBackend,
+    ShmBackend,
+    check_pool,
+    format_size,
+    pages_for_budget,
+    parse_size,
+)
 from kvmem.server.engine import Engine
-from kvmem.server.service import KVMemoryService
+from kvmem.server.service import KVMemoryService, handle_to_proto, layout_to_proto
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 log = logging.getLogger("kvmem.server")
@@ -44,14 +55,60 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0
     page_size: int = 16
     num_pages: int = 4096
+    memory: str | None = None  # a budget ("40GiB") that sets num_pages instead
     max_requests: int = 256
     max_context_len: int = 8192
+    # KV memory: "cpu" = the shm backend, "cuda:N" = one GPU, "none" = no KV memory.
+    device: str = "cpu"
+    devices: tuple[int, ...] = ()  # tensor-parallel GPUs; overrides device
+    shm_dir: str = "/dev/shm"
+    kv_format: str = "mha"
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    dtype: str = "bfloat16"
 
-    def core_config(self) -> CoreConfig:
-        try:
-            return CoreConfig(self.num_pages, self.page_size, self.max_requests, self.max_context_len)
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
+    def geometry(self) -> KVGeometry:
+        return KVGeometry(
+            self.kv_format, self.num_layers, self.num_kv_heads, self.head_dim, self.kv_lora_rank, self.rope_dim,
+            self.dtype, self.page_size,
+        )  # fmt: skip
+
+    def cuda_devices(self) -> tuple[int, ...]:
+        """The GPUs of the cuda backend; () for shm or no memory."""
+        if self.devices:
+            return self.devices
+        if self.device in ("cpu", "none"):
+            return ()
+        kind, _, index = self.device.partition(":")
+        if kind != "cuda" or not (index or "0").isdigit():
+            raise StartupError(f"--device must be cpu, none or cuda:N, got {self.device!r}")
+        return (int(index or "0"),)
+
+
+def build_pool(cfg: ServerConfig) -> tuple[CoreConfig, MemoryBackend | None, KVGeometry]:
+    """Validate the geometry, size the pool, allocate the KV memory. Every refusal is a
+    StartupError naming the option and its value."""
+    try:
+        geometry = cfg.geometry()
+        num_pages = cfg.num_pages
+        if cfg.memory is not None:
+            num_pages = pages_for_budget(parse_size(cfg.memory), geometry, cfg.max_requests, cfg.max_context_len)
+        check_pool(geometry, num_pages, cfg.max_requests, cfg.max_context_len)
+        core = CoreConfig(num_pages, cfg.page_size, cfg.max_requests, cfg.max_context_len)
+        devices = cfg.cuda_devices()
+        backend: MemoryBackend | None
+        if cfg.device == "none" and not devices:
+            backend = None
+        elif devices:
+            backend = CudaBackend(geometry, num_pages, cfg.max_requests, cfg.max_context_len, devices)
+        else:
+            backend = ShmBackend(geometry, num_pages, cfg.max_requests, cfg.max_context_len, cfg.shm_dir)
+    except (GeometryError, ValueError, RuntimeError, OSError) as exc:
+        raise StartupError(str(exc)) from None
+    return core, backend, geometry
 
 
 def _check_socket_path(path: str) -> None:
@@ -104,6 +161,7 @@ class KVMemServer:
         self.health = health.aio.HealthServicer()
         self.service: KVMemoryService | None = None
         self.tcp_port: int | None = None
+        self.memory: MemoryBackend | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
 
@@ -111,14 +169,35 @@ class KVMemServer:
         cfg = self.config
         if cfg.socket_path is None and cfg.tcp is None:
             raise StartupError("nothing to listen on: give --socket PATH and/or --tcp HOST:PORT")
-        core_cfg = cfg.core_config()
         if cfg.lease_s <= 0:
             raise StartupError(f"--lease-ms must be > 0, got {cfg.lease_s * 1000:g}")
         if cfg.socket_path is not None:
             _check_socket_path(cfg.socket_path)
         if cfg.tcp is not None:
             _check_tcp(cfg.tcp, cfg.auth_token)
+        core_cfg, self.memory, kv_geometry = build_pool(cfg)
+        try:
+            await self._start_grpc(core_cfg, kv_geometry)
+        except BaseException:
+            if self.memory is not None:
+                self.memory.close()
+            raise
+        kv_bytes = 0 if self.memory is None else kv_geometry.bytes_per_token * self.memory.num_tokens
+        log.info(
+            "pool: %d pages x %d tokens = %d tokens, %d bytes per token (%s %s, %d layers), KV %s on %s",
+            core_cfg.num_pages, core_cfg.page_size, (core_cfg.num_pages - 1) * core_cfg.page_size,
+            kv_geometry.bytes_per_token, kv_geometry.format, kv_geometry.dtype, kv_geometry.num_layers,
+            format_size(kv_bytes), "no memory" if self.memory is None else self.memory.name,
+        )  # fmt: skip
+        assert self.engine is not None
+        log.info(
+            "serving socket=%s tcp=%s max_requests=%d max_context=%d lease_ms=%d epoch=%s",
+            cfg.socket_path, cfg.tcp, core_cfg.max_requests, core_cfg.max_context_len, int(cfg.lease_s * 1000),
+            self.engine.epoch,
+        )  # fmt: skip
 
+    async def _start_grpc(self, core_cfg: CoreConfig, kv_geometry: KVGeometry) -> None:
+        cfg = self.config
         server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),
@@ -134,7 +213,7 @@ class KVMemServer:
             server,
         )
 
-        self.engine = Engine(core_cfg, cfg.lease_s)
+        self.engine = Engine(core_cfg, cfg.lease_s, self.memory)
         geometry = kvmem_pb2.PoolGeometry(
             num_pages=core_cfg.num_pages,
             page_size=core_cfg.page_size,
@@ -142,7 +221,12 @@ class KVMemServer:
             max_context_len=core_cfg.max_context_len,
             max_pages_per_request=core_cfg.max_pages_per_request,
         )
-        self.service = KVMemoryService(self.engine, geometry, [], "none", cfg.auth_token)
+        handles = []
+        if self.memory is not None:
+            geometry.layout.CopyFrom(layout_to_proto(kv_geometry))
+            handles = [handle_to_proto(h) for h in self.memory.handles()]
+        backend_name = "none" if self.memory is None else self.memory.name
+        self.service = KVMemoryService(self.engine, geometry, handles, backend_name, cfg.auth_token)
         kvmem_pb2_grpc.add_KVMemoryServicer_to_server(self.service, server)
 
         if cfg.socket_path is not None:
@@ -166,12 +250,6 @@ class KVMemServer:
         self.grpc_server = server
         self._reaper = asyncio.create_task(self._reap_leases())
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log.info(
-            "serving socket=%s tcp=%s pages=%d page_size=%d tokens=%d max_requests=%d max_context=%d lease_ms=%d epoch=%s",
-            cfg.socket_path, cfg.tcp, core_cfg.num_pages, core_cfg.page_size,
-            (core_cfg.num_pages - 1) * core_cfg.page_size, core_cfg.max_requests, core_cfg.max_context_len,
-            int(cfg.lease_s * 1000), self.engine.epoch,
-        )  # fmt: skip
 
     async def _reap_leases(self) -> None:
         assert self.engine is not None
@@ -198,6 +276,8 @@ class KVMemServer:
         await self.grpc_server.stop(self.config.shutdown_grace_s)
         for session_id in list(self.engine.sessions):
             self.engine.end_session(session_id, "server shutdown")
+        if self.memory is not None:
+            self.memory.close()  # shm: the files are removed; cuda: the memory is released
         if self.config.socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket_path)

@@ -58,8 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     pool = serve.add_argument_group("pool geometry")
     _add(pool, "--page-size", 16, "tokens per page", int)
     _add(pool, "--num-pages", 4096, "pages in the pool, including the padding page 0", int)
+    _add(pool, "--memory", None, "KV memory budget per device (e.g. 40GiB, 512MiB): the largest page count "
+         "that fits, after the block table; replaces --num-pages")  # fmt: skip
     _add(pool, "--max-requests", 256, "request slots (concurrently open requests)", int)
     _add(pool, "--max-context", 8192, "longest request, in tokens", int)
+    mem = serve.add_argument_group("KV memory (the model's KV geometry and where the KV cache lives)")
+    _add(mem, "--device", "cpu", "cpu (POSIX shared memory), cuda:N (one GPU, CUDA IPC) or none (no KV memory)")
+    _add(mem, "--devices", None, "comma-separated GPU indices for tensor-parallel ranks (e.g. 0,1): one KV "
+         "allocation per GPU, one page-id space; implies cuda")  # fmt: skip
+    _add(mem, "--shm-dir", "/dev/shm", "directory of the shared-memory files (cpu device)")
+    _add(mem, "--format", "mha", "mha (K and V per layer) or mla (one latent vector per token)")
+    _add(mem, "--layers", 2, "transformer layers", int)
+    _add(mem, "--kv-heads", 2, "KV heads per layer (mha)", int)
+    _add(mem, "--head-dim", 64, "head dimension (mha)", int)
+    _add(mem, "--kv-lora-rank", 512, "latent rank (mla)", int)
+    _add(mem, "--rope-dim", 64, "rotary dimension stored beside the latent (mla)", int)
+    _add(mem, "--dtype", "bfloat16", "KV element type: bfloat16, float16, float32 or float8_e4m3fn")
     sessions = serve.add_argument_group("sessions")
     _add(sessions, "--lease-ms", 10000, "a session that makes no call or keep-alive for this long ends", int)
     _add(sessions, "--shutdown-grace-ms", 5000, "how long in-flight calls may run after SIGTERM", int)
@@ -106,8 +120,30 @@ def _serve(args: argparse.Namespace) -> int:
         num_pages=args.num_pages,
         max_requests=args.max_requests,
         max_context_len=args.max_context,
+        memory=args.memory,
+        device=args.device,
+        devices=_devices(args.devices),
+        shm_dir=args.shm_dir,
+        kv_format=args.format,
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        kv_lora_rank=args.kv_lora_rank,
+        rope_dim=args.rope_dim,
+        dtype=args.dtype,
     )
     return serve(config)
+
+
+def _devices(raw: str | None) -> tuple[int, ...]:
+    if not raw:
+        return ()
+    parts = [p.strip() for p in raw.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise SystemExit(f"kvmem serve: --devices must be comma-separated GPU indices such as 0,1, got {raw!r}")
+    if len(set(parts)) != len(parts):
+        raise SystemExit(f"kvmem serve: --devices lists a GPU twice: {raw!r}")
+    return tuple(int(p) for p in parts)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -176,7 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.Formatter.converter = time.gmtime
     handler = {"serve": _serve, "health": _health, "stats": _stats}[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except BrokenPipeError:  # `kvmem stats | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -155,7 +155,10 @@ class Engine:
         )
         self.num_steps += 1
         if self.memory is not None:
-            changed = [a for a in (release_slots, truncate_slots, alloc_slots) if a.size]
+            # Rows that changed: released and truncated ones, and allocs that took pages
+            # (a decode step mostly fills tails: few rows change).
+            grew = alloc_slots[np.diff(result.new_page_offsets) > 0] if result.new_pages.size else alloc_slots[:0]
+            changed = [a for a in (release_slots, truncate_slots, grew) if a.size]
             if changed:
                 self.memory.sync_rows(np.concatenate(changed) if len(changed) > 1 else changed[0])
         return result

@@ -9,6 +9,7 @@ tell "no free request slot" from gRPC's own RESOURCE_EXHAUSTED.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -22,6 +23,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from kvmem.server.engine import Engine
+from kvmem.server.memory import HandleInfo, KVGeometry
 from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
@@ -45,6 +47,32 @@ def _to_status(err: KVMemError) -> grpc.Status:
     detail.Pack(info)
     code = _STATUS_CODE[err.kind]
     return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=err.message, details=[detail]))
+
+
+_FORMAT = {"mha": kvmem_pb2.KV_FORMAT_MHA, "mla": kvmem_pb2.KV_FORMAT_MLA}
+
+
+def layout_to_proto(g: KVGeometry) -> kvmem_pb2.KVLayout:
+    return kvmem_pb2.KVLayout(
+        format=_FORMAT[g.format],
+        num_layers=g.num_layers,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        kv_lora_rank=g.kv_lora_rank,
+        rope_dim=g.rope_dim,
+        dtype=g.dtype,
+        bytes_per_token=g.bytes_per_token,
+    )
+
+
+def handle_to_proto(h: HandleInfo) -> kvmem_pb2.MemoryHandle:
+    """A backend's handle as the explicit proto fields (no pickle on the wire)."""
+    msg = kvmem_pb2.MemoryHandle(name=h.name, rank=h.rank, dtype=h.dtype, shape=list(h.shape), size_bytes=h.size_bytes)
+    if h.cuda is not None:
+        msg.cuda.CopyFrom(kvmem_pb2.CudaIpcHandle(**dataclasses.asdict(h.cuda)))
+    else:
+        msg.shm.path = h.shm_path or ""
+    return msg
 
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -222,6 +250,14 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
                 yield reply
         except KVMemError as err:  # the session ended while the stream was open
             await context.abort_with_status(_to_status(err))
+        except asyncio.CancelledError:
+            if not self.stopping.is_set():
+                raise  # gRPC cancelled the call: the peer is gone, there is no one to answer
+            # Shutdown cancels this task. grpc.aio sends no status for a cancelled handler,
+            # so without one the stream would stay open until the grace period runs out.
+            await context.abort_with_status(
+                _to_status(KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: this session ended"))
+            )
         finally:
             self.keepalive_tasks.discard(task)
             if session_id is not None and not self.stopping.is_set():
