@@ -33,6 +33,7 @@ from kvmem.server.memory import (
     parse_size,
 )
 from kvmem.server.engine import Engine
+from kvmem.server.tuning import keep_freed_memory
 from kvmem.server.service import KVMemoryService, handle_to_proto, layout_to_proto
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
@@ -307,6 +308,7 @@ def serve(config: ServerConfig) -> int:
         runner: Any = asyncio.run
     else:
         runner = uvloop.run
+    keep_freed_memory()
     try:
         runner(_serve(config))
     except StartupError as exc:

@@ -135,7 +135,8 @@ class PagePool:
         # Descending, so the first pages handed out are 1, 2, 3, ... (readable in tests).
         self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
         self._num_free = num_pages - 1
-        self._scratch = np.zeros(num_pages, dtype=np.int64)  # duplicate detection
+        self._scratch = np.zeros(num_pages, dtype=np.int32)  # duplicate detection
+        self._arange = np.arange(1 << 16, dtype=np.int32)
 
     @property
     def num_free(self) -> int:
@@ -154,52 +155,72 @@ class PagePool:
     def unref(self, pages: np.ndarray) -> int:
         """Drop one reference from each entry of ``pages`` (a page may appear several
         times); pages whose count reaches 0 go back to the free stack. A page that is
-        already free, or page 0, is a double free: nothing changes and
-        :class:`CorruptionError` is raised. O(P). Returns the number of pages freed."""
-        if pages.size == 0:
-            return 0
+        already free, page 0, or a page listed more often than it is referenced is a
+        double free: nothing changes and :class:`CorruptionError` is raised. Returns the
+        number of pages freed.
+
+        Cost O(P): one gather of the counts, one duplicate check (scatter and gather of
+        a stamp), one scatter of the new counts; repeated pages (shared ones) are
+        counted with a sort, O(P log P), only when there are any.
+        """
         n = pages.size
-        if np.count_nonzero(pages <= 0) or np.count_nonzero(pages >= self.num_pages):
-            raise CorruptionError(f"unref of page ids outside [1, {self.num_pages}): {pages.tolist()[:16]}")
-        order = np.arange(n)
-        self._scratch[pages] = order
-        unique = self._scratch[pages] == order  # first-wins is irrelevant; last write wins
-        if np.count_nonzero(unique) == n:
-            counts = self.ref_cnt[pages]
-            if np.count_nonzero(counts <= 0):
-                bad = pages[counts <= 0]
-                raise CorruptionError(f"double free of page(s) {bad.tolist()[:16]}", pages=bad.tolist()[:16])
-            counts -= 1
-            self.ref_cnt[pages] = counts
-            freed = pages[counts == 0]
+        if n == 0:
+            return 0
+        if pages.min() <= 0:
+            raise CorruptionError(f"unref of page ids <= 0: {pages[pages <= 0].tolist()[:16]}")
+        idx = pages.astype(np.intp)  # numpy converts int32 indices on every use otherwise
+        try:
+            counts = self.ref_cnt[idx]
+        except IndexError:
+            raise CorruptionError(f"unref of page ids >= {self.num_pages}: {pages.tolist()[:16]}") from None
+        order = self._order(n)
+        self._scratch[idx] = order
+        repeats = np.count_nonzero(self._scratch[idx] != order)
+        if not repeats and not np.count_nonzero(counts != 1):
+            # Every page listed once and held once (nothing shared): all become free.
+            self.ref_cnt[idx] = 0
+            freed = pages
         else:
-            uniq, times = np.unique(pages, return_counts=True)
-            counts = self.ref_cnt[uniq]
-            if np.count_nonzero(counts < times):
-                bad = uniq[counts < times]
-                raise CorruptionError(f"double free of page(s) {bad.tolist()[:16]}", pages=bad.tolist()[:16])
-            counts -= times.astype(np.int32)
-            self.ref_cnt[uniq] = counts
-            freed = uniq[counts == 0]
+            if repeats:  # shared pages listed more than once: count the repeats
+                pages, times = np.unique(pages, return_counts=True)
+                idx = pages.astype(np.intp)
+                counts = self.ref_cnt[idx]
+            else:
+                times = 1
+            short = counts < times
+            if np.count_nonzero(short):
+                bad = pages[short].tolist()[:16]
+                raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
+            counts -= times
+            self.ref_cnt[idx] = counts
+            freed = pages[counts == 0]
         # A later prefix cache sends cached pages to an evictable LRU here instead.
         top = self._num_free
         self._free[top : top + freed.size] = freed
         self._num_free = top + freed.size
         return int(freed.size)
 
+    def _order(self, n: int) -> np.ndarray:
+        return self._arange[:n] if n <= self._arange.size else np.arange(n, dtype=np.int32)
+
 
 @dataclasses.dataclass(slots=True)
 class _Owner:
     """Accounting of one owner (session). Changed only by KVCore.
 
-    ``num_pages_held`` is the sum over its open requests of their page counts;
-    ``request_slots`` maps its open request ids to their slots."""
+    ``num_pages_held`` is the sum over its open requests of their page counts and
+    ``num_requests`` their number. ``request_slots`` maps request ids to slots and may
+    keep entries of released requests: an entry is live only while the slot is still
+    this owner's under that id (:meth:`KVCore._live_slot`). A release therefore costs
+    no per-request dict work; the map is compacted when it outgrows twice the open
+    requests (amortised O(1) per release)."""
 
     index: int  # >= 1; written into KVCore._owner_of
     name: str
     quota_pages: int | None
     num_pages_held: int = 0
     request_slots: dict[str, int] = dataclasses.field(default_factory=dict)
+    num_requests: int = 0
 
 
 def _segments(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -208,7 +229,7 @@ def _segments(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.nd
     total = int(counts.sum())
     item = np.repeat(np.arange(counts.size), counts)
     first = np.cumsum(counts) - counts
-    values = starts[item] + (np.arange(total) - first[item])
+    values = np.repeat(starts - first, counts) + np.arange(total)
     return item, values
 
 
@@ -245,6 +266,7 @@ class KVCore:
         self._slot_scratch = np.zeros(n_slots, dtype=np.int64)
         self._arange = np.arange(max(n_slots, config.page_size), dtype=np.int64)
         self._page_offsets = np.arange(config.page_size, dtype=np.int32)
+        self._col = np.arange(config.max_pages_per_request, dtype=np.int64)
         self._free_slots: list[int] = list(range(config.max_requests, 0, -1))
         self._owners: dict[str, _Owner] = {}
         self._next_owner_index = 1
@@ -265,7 +287,7 @@ class KVCore:
         """Release every request of ``owner`` (exactly as a release step would) and
         forget it. O(its requests + their pages). Returns the number of requests."""
         state = self._owner(owner)
-        slots = np.fromiter(state.request_slots.values(), dtype=np.int64, count=len(state.request_slots))
+        slots = self.slots_of(owner)
         self._release(state, slots)
         del self._owners[owner]
         self._maybe_audit()
@@ -273,6 +295,18 @@ class KVCore:
 
     def has_owner(self, owner: str) -> bool:
         return owner in self._owners
+
+    def slots_of(self, owner: str) -> np.ndarray:
+        """The open request slots of ``owner`` (int64). O(max_requests)."""
+        state = self._owner(owner)
+        return np.flatnonzero(self._owner_of[: self.config.max_requests + 1] == state.index)
+
+    def _live_slot(self, state: _Owner, rid: str) -> int:
+        """The slot ``rid`` has open in ``state``, or 0. O(1)."""
+        slot = state.request_slots.get(rid, 0)
+        if slot and self._owner_of[slot] == state.index and self._slot_request_id[slot] == rid:
+            return slot
+        return 0
 
     def _owner(self, owner: str) -> _Owner:
         state = self._owners.get(owner)
@@ -290,7 +324,7 @@ class KVCore:
         for i, rid in enumerate(request_ids):
             if not isinstance(rid, str) or not rid:
                 raise KVMemError(Reason.BAD_VALUE, f"request id #{i} must be a non-empty string, got {rid!r}", index=i)
-            if rid not in state.request_slots:
+            if not self._live_slot(state, rid):
                 new_ids[rid] = None
         if len(new_ids) > len(self._free_slots):
             raise KVMemError(
@@ -305,6 +339,7 @@ class KVCore:
             state.request_slots[rid] = slot
             self._slot_request_id[slot] = rid
             self._owner_of[slot] = state.index
+        state.num_requests += len(new_ids)
         return np.fromiter((state.request_slots[r] for r in request_ids), dtype=np.int32, count=len(request_ids))
 
     # ------------------------------------------------------------------- step
@@ -473,20 +508,34 @@ class KVCore:
         self.block_table[rows, cols] = 0
         return int(pages.size)
 
+    def _drop_rows(self, slots: np.ndarray, have: np.ndarray) -> int:
+        """Unreference every page of each slot's row and zero the rows: one 2-D slice
+        of the first ``max(have)`` columns instead of a per-page gather. O(n * max(have))."""
+        if not have.size:
+            return 0
+        width = int(have.max())
+        if width == 0:
+            return 0
+        bt = self.block_table
+        rows = bt[slots, :width]
+        if int(have.min()) == width:
+            pages = rows.ravel()
+        else:
+            pages = rows[self._col[:width] < have[:, None]]
+        self.pool.unref(pages)
+        bt[slots, :width] = 0
+        return int(pages.size)
+
     def _release(self, state: _Owner, slots: np.ndarray) -> int:
         """End requests: drop their pages, zero their rows, free their slots."""
-        have = self._num_pages_for(self._alloced[slots])
-        dropped = self._drop_pages(slots, np.zeros_like(have), have)
+        dropped = self._drop_rows(slots, self._num_pages_for(self._alloced[slots]))
         state.num_pages_held -= dropped
         self._alloced[slots] = 0
         self._owner_of[slots] = 0
-        slot_list = slots.tolist()
-        rid_of = self._slot_request_id
-        pop = state.request_slots.pop
-        for s in slot_list:
-            pop(rid_of[s])
-            rid_of[s] = None
-        self._free_slots.extend(slot_list)
+        self._free_slots.extend(slots.tolist())
+        state.num_requests -= slots.size
+        if len(state.request_slots) > 2 * state.num_requests + 64:
+            state.request_slots = {r: s for r, s in state.request_slots.items() if self._live_slot(state, r)}
         return dropped
 
     def _truncate(self, state: _Owner, slots: np.ndarray, new_lens: np.ndarray) -> int:
@@ -500,9 +549,7 @@ class KVCore:
     def _alloc(self, state: _Owner, slots: np.ndarray, need: np.ndarray, cur: np.ndarray | None, atomic: bool) -> StepResult:
         n = slots.size
         if n == 0:
-            empty = np.zeros(0, dtype=np.int32)
-            one = np.zeros(1, dtype=np.int32)
-            return StepResult(np.zeros(0, dtype=np.int8), empty, one, empty, one.copy(), 0)
+            return StepResult(_NO_STATUS, _NO_INT32, _ZERO_OFFSETS, _NO_INT32, _ZERO_OFFSETS, 0)
         assert cur is not None
         ps = self._ps
         cfg = self.config
@@ -569,32 +616,32 @@ class KVCore:
         else:
             kv_loc = self._kv_loc_by_page(slots, cur, end, need)
         kv_off = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(need, out=kv_off[1:])
+        kv_off[1:] = np.cumsum(need)  # cumsum into an int32 slice is several times slower
         page_off = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(cnt, out=page_off[1:])
+        page_off[1:] = np.cumsum(cnt)
         return StepResult(status, kv_loc, kv_off, pages, page_off, 0)
 
     def _kv_loc_by_page(self, slots: np.ndarray, cur: np.ndarray, end: np.ndarray, need: np.ndarray) -> np.ndarray:
-        """kv_loc of many tokens per item: one broadcast over the touched pages
-        (``page * page_size + arange(page_size)``), trimmed at each item's first and last
-        page by a mask. O(n + P * page_size) with P the pages touched."""
+        """kv_loc of many tokens per item, by page: each touched page contributes a run
+        ``page * page_size + [lo, hi)``, so the whole answer is one ``repeat`` of a base
+        per page plus one ``arange`` over the tokens. O(n + P + T), P the pages touched."""
         ps = self._ps
         busy = need > 0
         slots, cur, end = slots[busy], cur[busy], end[busy]
         first = cur // ps
-        last = (end - 1) // ps
-        touched = last - first + 1
+        touched = (end - 1) // ps - first + 1
         item, cols = _segments(first, touched)
-        pages = self.block_table[slots[item], cols]
+        pages = self.block_table[slots[item], cols].astype(np.int64)
         lo = np.zeros(pages.size, dtype=np.int64)
         hi = np.full(pages.size, ps, dtype=np.int64)
         starts = np.cumsum(touched) - touched
         lo[starts] = cur % ps
         hi[starts + touched - 1] = (end - 1) % ps + 1
-        offs = self._page_offsets
-        grid = pages[:, None] * np.int32(ps) + offs[None, :]
-        mask = (offs[None, :] >= lo[:, None]) & (offs[None, :] < hi[:, None])
-        return grid[mask]
+        run = hi - lo
+        tok0 = np.cumsum(run) - run  # where each page's tokens start in the output
+        base = pages * ps + lo - tok0
+        total = int(tok0[-1] + run[-1])
+        return (np.repeat(base, run) + np.arange(total)).astype(np.int32)
 
     # ------------------------------------------------------------ inspection
 
@@ -616,7 +663,7 @@ class KVCore:
             num_free_request_slots=len(self._free_slots),
             num_open_requests=self.config.max_requests - len(self._free_slots),
             owners=tuple(
-                OwnerUsage(o.name, len(o.request_slots), o.num_pages_held, o.quota_pages)
+                OwnerUsage(o.name, o.num_requests, o.num_pages_held, o.quota_pages)
                 for o in self._owners.values()
             ),
         )
@@ -670,9 +717,12 @@ class KVCore:
         # Per-owner totals.
         owner_index = {o.index: o for o in self._owners.values()}
         for o in self._owners.values():
-            slots = np.fromiter(o.request_slots.values(), dtype=np.int64, count=len(o.request_slots))
-            if np.count_nonzero(self._owner_of[slots] != o.index):
-                problems.append(f"owner {o.name!r} lists slots it does not own")
+            slots = self.slots_of(o.name)
+            if slots.size != o.num_requests:
+                problems.append(f"owner {o.name!r} counts {o.num_requests} requests but owns {slots.size} slots")
+            lost = [int(x) for x in slots.tolist() if self._live_slot(o, self._slot_request_id[x] or "") != x]
+            if lost:
+                problems.append(f"owner {o.name!r} has open slots its request ids do not map to: {lost[:16]}")
             if int(have[slots].sum()) != o.num_pages_held:
                 problems.append(
                     f"owner {o.name!r} holds {o.num_pages_held} pages by its count, "
@@ -693,10 +743,23 @@ class KVCore:
                 raise CorruptionError("audit failed: " + "; ".join(report.problems))
 
 
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+_EMPTY = _frozen(np.zeros(0, dtype=np.int64))
+_NO_STATUS = _frozen(np.zeros(0, dtype=np.int8))
+_NO_INT32 = _frozen(np.zeros(0, dtype=np.int32))
+_ZERO_OFFSETS = _frozen(np.zeros(1, dtype=np.int32))
+
+
 def _index_array(values: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
     """An int64 1-D array from a sequence or array of integers, or INVALID_ARGUMENT."""
     if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
         return values
+    if isinstance(values, (tuple, list)) and not values:
+        return _EMPTY
     try:
         arr = np.asarray(values)
     except (OverflowError, ValueError, TypeError) as exc:

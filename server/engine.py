@@ -176,8 +176,7 @@ class Engine:
     def _open_rows(self, session_id: str) -> np.ndarray:
         if self.memory is None:
             return np.zeros(0, dtype=np.int64)
-        slots = self.core._owners[session_id].request_slots.values()
-        return np.fromiter(slots, dtype=np.int64, count=len(slots))
+        return self.core.slots_of(session_id)
 
     def _sync(self, rows: np.ndarray) -> None:
         if self.memory is not None and rows.size:
