@@ -104,9 +104,16 @@ def build_pool(cfg: ServerConfig) -> tuple[CoreConfig, MemoryBackend | None, KVG
         if cfg.device == "none" and not devices:
             backend = None
         elif devices:
-            backend = CudaBackend(geometry, num_pages, cfg.max_requests, cfg.max_context_len, devices)
+            option = f"--devices {','.join(map(str, cfg.devices))}" if cfg.devices else f"--device {cfg.device}"
+            try:
+                backend = CudaBackend(geometry, num_pages, cfg.max_requests, cfg.max_context_len, devices)
+            except RuntimeError as exc:  # no CUDA, a CUDA error: name the option that asked for it
+                raise StartupError(f"{option}: {exc}") from None
         else:
-            backend = ShmBackend(geometry, num_pages, cfg.max_requests, cfg.max_context_len, cfg.shm_dir)
+            try:
+                backend = ShmBackend(geometry, num_pages, cfg.max_requests, cfg.max_context_len, cfg.shm_dir)
+            except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
+                raise StartupError(f"--shm-dir {cfg.shm_dir}: {exc}") from None
     except (GeometryError, ValueError, RuntimeError, OSError) as exc:
         raise StartupError(str(exc)) from None
     return core, backend, geometry

@@ -29,6 +29,7 @@ class BlockTableSink(Protocol):
     writes, and a hook run after each step with the rows it changed."""
 
     block_table: np.ndarray
+    syncs_rows: bool  # False: sync_rows is a no-op and need not be called
 
     def sync_rows(self, rows: np.ndarray) -> None: ...
 
@@ -65,6 +66,7 @@ class Engine:
         self.epoch = secrets.token_hex(8)
         self.lease_s = lease_s
         self.memory = memory
+        self._sync_memory = memory if memory is not None and memory.syncs_rows else None
         self.core = KVCore(config, None if memory is None else memory.block_table)
         self.sessions: dict[str, Session] = {}
         self._next_index = 1
@@ -154,13 +156,13 @@ class Engine:
             atomic=atomic,
         )
         self.num_steps += 1
-        if self.memory is not None:
+        if self._sync_memory is not None:
             # Rows that changed: released and truncated ones, and allocs that took pages
             # (a decode step mostly fills tails: few rows change).
             grew = alloc_slots[np.diff(result.new_page_offsets) > 0] if result.new_pages.size else alloc_slots[:0]
             changed = [a for a in (release_slots, truncate_slots, grew) if a.size]
             if changed:
-                self.memory.sync_rows(np.concatenate(changed) if len(changed) > 1 else changed[0])
+                self._sync_memory.sync_rows(np.concatenate(changed) if len(changed) > 1 else changed[0])
         return result
 
     def stats(self, audit: bool) -> EngineStats:
@@ -174,13 +176,13 @@ class Engine:
     # ---------------------------------------------------------------- helpers
 
     def _open_rows(self, session_id: str) -> np.ndarray:
-        if self.memory is None:
+        if self._sync_memory is None:
             return np.zeros(0, dtype=np.int64)
         return self.core.slots_of(session_id)
 
     def _sync(self, rows: np.ndarray) -> None:
-        if self.memory is not None and rows.size:
-            self.memory.sync_rows(rows)
+        if self._sync_memory is not None and rows.size:
+            self._sync_memory.sync_rows(rows)
 
 
 def _redact(session_id: str) -> str:

@@ -345,6 +345,8 @@ class MemoryBackend(abc.ABC):
     def handles(self) -> list[HandleInfo]:
         """What clients need to map every allocation, for Attach. O(ranks)."""
 
+    syncs_rows: bool  # False when sync_rows is a no-op (the engine then skips it)
+
     @abc.abstractmethod
     def sync_rows(self, rows: np.ndarray) -> None:
         """Make host block-table ``rows`` visible to clients before returning."""
@@ -503,6 +505,7 @@ class ShmBackend(MemoryBackend):
     """
 
     name = "shm"
+    syncs_rows = False  # clients map the host table itself
 
     def __init__(
         self,
@@ -685,6 +688,7 @@ class CudaBackend(MemoryBackend):
     """
 
     name = "cuda"
+    syncs_rows = True  # device copies follow the host table
 
     def __init__(
         self,
