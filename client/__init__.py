@@ -10,19 +10,40 @@
 ``kvmem.client.errors``; sync and asyncio raise the same ones.
 """
 
-from kvmem.client._common import AllocStatus, StepResult
-from kvmem.client.aio import AsyncKVMemClient
-from kvmem.client.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    KVMemError,
-    NoFreeRequestSlot,
-    NotFound,
-    SessionLost,
-    Unauthenticated,
-    Unavailable,
-)
-from kvmem.client.sync import KVMemClient, stats
+import importlib
+from typing import Any
+
+# Names resolve on first use (PEP 562), so `kvmem stats` and `kvmem health` do not pay
+# for importing torch; `from kvmem.client import KVMemClient` works as usual.
+_WHERE = {
+    "AllocStatus": "kvmem.client._common",
+    "StepResult": "kvmem.client._common",
+    "AsyncKVMemClient": "kvmem.client.aio",
+    "KVMemClient": "kvmem.client.sync",
+    "stats": "kvmem.client.admin",
+    "MappedMemory": "kvmem.client.memory",
+    **{
+        name: "kvmem.client.errors"
+        for name in (
+            "FailedPrecondition", "InvalidArgument", "KVMemError", "NoFreeRequestSlot", "NotFound",
+            "SessionLost", "Unauthenticated", "Unavailable",
+        )
+    },
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvmem.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "AllocStatus",
@@ -31,6 +52,7 @@ __all__ = [
     "InvalidArgument",
     "KVMemClient",
     "KVMemError",
+    "MappedMemory",
     "NoFreeRequestSlot",
     "NotFound",
     "SessionLost",

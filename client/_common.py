@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import torch
 
+from kvmem.client.admin import auth_metadata, normalize_target  # noqa: F401  (re-exported for the clients)
 from kvmem.client.errors import SessionLost
 from kvmem.v1 import kvmem_pb2
 
@@ -28,18 +29,6 @@ AllocStatus.__doc__ = "Per-item result of an alloc (the proto's AllocStatus with
 # contract (copy one before writing to it). torch warns about that once per buffer;
 # the warning is the contract restated, so it is silenced here, for this message only.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-
-def normalize_target(target: str) -> str:
-    """``/path/to.sock`` and ``unix:/path`` are unix sockets; anything else is
-    ``HOST:PORT``."""
-    if target.startswith("/") or target.startswith("./"):
-        return f"unix:{target}"
-    return target
-
-
-def auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...] | None:
-    return None if auth_token is None else (("authorization", f"Bearer {auth_token}"),)
 
 
 def _ints(values: IntsLike) -> Any:

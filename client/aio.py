@@ -12,9 +12,9 @@ import torch
 
 from kvmem.client import _common as common
 from kvmem.client._common import IntsLike, StepResult
-from kvmem.client.memory import MemoryViews
+from kvmem.client.admin import CHANNEL_OPTIONS
 from kvmem.client.errors import KVMemError, SessionLost, from_rpc_error
-from kvmem.client.sync import CHANNEL_OPTIONS
+from kvmem.client.memory import MemoryViews
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 T = TypeVar("T")

@@ -10,16 +10,13 @@ import torch
 
 from kvmem.client import _common as common
 from kvmem.client._common import IntsLike, StepResult
-from kvmem.client.memory import MemoryViews
+from kvmem.client.admin import CHANNEL_OPTIONS
 from kvmem.client.errors import KVMemError, SessionLost, from_rpc_error
+from kvmem.client.memory import MemoryViews
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 T = TypeVar("T")
 
-CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-)
 
 
 class KVMemClient(MemoryViews):
@@ -190,12 +187,3 @@ class KVMemClient(MemoryViews):
             self._keepalive_thread.join(timeout=5)
             self._keepalive_thread = None
 
-
-def stats(target: str, *, audit: bool = False, timeout: float = 3.0, auth_token: str | None = None) -> kvmem_pb2.StatsResponse:
-    """A server's Stats without attaching a session (what ``kvmem stats`` prints)."""
-    with grpc.insecure_channel(common.normalize_target(target), options=CHANNEL_OPTIONS) as channel:
-        stub = kvmem_pb2_grpc.KVMemoryStub(channel)
-        try:
-            return stub.Stats(kvmem_pb2.StatsRequest(audit=audit), timeout=timeout, metadata=common.auth_metadata(auth_token))
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None

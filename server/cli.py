@@ -164,7 +164,8 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from kvmem.client import KVMemError, stats
+    from kvmem.client.admin import stats
+    from kvmem.client.errors import KVMemError
 
     try:
         s = stats(_target(args), audit=args.audit, timeout=args.timeout, auth_token=args.auth_token)
