@@ -18,6 +18,7 @@ import torch
 
 from kvmem.client.memory import MappedMemory, MemoryMapError
 from kvmem.server.core import CoreConfig, KVCore
+from kvmem.server.service import handle_to_proto, layout_to_proto
 from kvmem.server.memory import (
     CudaBackend,
     GeometryError,
@@ -40,47 +41,17 @@ MLA = dict(format="mla", num_layers=2, kv_lora_rank=6, rope_dim=2, dtype="float1
 
 
 def to_proto_handle(info: HandleInfo) -> pb.MemoryHandle:
-    h = pb.MemoryHandle(
-        name=info.name, rank=info.rank, dtype=info.dtype, shape=list(info.shape), size_bytes=info.size_bytes
-    )
-    if info.shm_path is not None:
-        h.shm.path = info.shm_path
-    else:
-        assert info.cuda is not None
-        c = info.cuda
-        h.cuda.CopyFrom(
-            pb.CudaIpcHandle(
-                device_uuid=c.device_uuid,
-                ipc_handle=c.ipc_handle,
-                storage_size_bytes=c.storage_size_bytes,
-                storage_offset_bytes=c.storage_offset_bytes,
-                ref_counter_handle=c.ref_counter_handle,
-                ref_counter_offset=c.ref_counter_offset,
-                event_handle=c.event_handle,
-                event_sync_required=c.event_sync_required,
-            )
-        )
-    return h
+    return handle_to_proto(info)  # the service's own translation
 
 
 def to_proto_geometry(backend) -> pb.PoolGeometry:
-    g = backend.geometry
     return pb.PoolGeometry(
         num_pages=backend.num_pages,
-        page_size=g.page_size,
+        page_size=backend.geometry.page_size,
         max_requests=backend.max_requests,
         max_context_len=backend.max_context_len,
         max_pages_per_request=backend.max_pages_per_request,
-        layout=pb.KVLayout(
-            format=pb.KV_FORMAT_MHA if g.format == "mha" else pb.KV_FORMAT_MLA,
-            num_layers=g.num_layers,
-            num_kv_heads=g.num_kv_heads,
-            head_dim=g.head_dim,
-            kv_lora_rank=g.kv_lora_rank,
-            rope_dim=g.rope_dim,
-            dtype=g.dtype,
-            bytes_per_token=g.bytes_per_token,
-        ),
+        layout=layout_to_proto(backend.geometry),
     )
 
 
