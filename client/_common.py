@@ -3,7 +3,6 @@ epoch check. Neither client builds a message or reads a response any other way."
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import warnings
 from collections.abc import Sequence
@@ -68,30 +67,86 @@ def step_request(
     return req
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     """A step's outcome. Per alloc item ``i``: ``status[i]`` (an :class:`AllocStatus`
     value), its token slots ``kv_loc[kv_loc_offsets[i]:kv_loc_offsets[i + 1]]`` and its new
-    pages likewise. The tensors are read-only int32/int8 views of the response."""
+    pages likewise. The tensors are read-only int32/int8 views of the response's bytes
+    (little-endian, as the proto says; every platform torch ships on is little-endian),
+    made on first access: no copy, no loop, and nothing for what the caller never reads.
+    """
 
-    status: torch.Tensor  # int8 [n]
-    kv_loc: torch.Tensor  # int32 [T]
-    kv_loc_offsets: torch.Tensor  # int32 [n + 1]
-    new_pages: torch.Tensor  # int32 [P]
-    new_page_offsets: torch.Tensor  # int32 [n + 1]
-    num_pages_released: int
-    num_free_pages: int
+    __slots__ = ("_resp", "_status", "_kv_loc", "_kv_loc_offsets", "_new_pages", "_new_page_offsets")
+
+    def __init__(self, resp: kvmem_pb2.StepResponse) -> None:
+        self._resp = resp
+        self._status: torch.Tensor | None = None
+        self._kv_loc: torch.Tensor | None = None
+        self._kv_loc_offsets: torch.Tensor | None = None
+        self._new_pages: torch.Tensor | None = None
+        self._new_page_offsets: torch.Tensor | None = None
+
+    @property
+    def status(self) -> torch.Tensor:
+        """int8 [n]: AllocStatus per alloc item."""
+        if self._status is None:
+            self._status = _view(self._resp.alloc_status, torch.int8)
+        return self._status
+
+    @property
+    def kv_loc(self) -> torch.Tensor:
+        """int32 [T]: the token slots of every alloc item, concatenated."""
+        if self._kv_loc is None:
+            self._kv_loc = _view(self._resp.kv_loc, torch.int32)
+        return self._kv_loc
+
+    @property
+    def kv_loc_offsets(self) -> torch.Tensor:
+        """int32 [n + 1]."""
+        if self._kv_loc_offsets is None:
+            self._kv_loc_offsets = _view(self._resp.kv_loc_offsets, torch.int32)
+        return self._kv_loc_offsets
+
+    @property
+    def new_pages(self) -> torch.Tensor:
+        """int32 [P]: the page ids the step took, concatenated per item."""
+        if self._new_pages is None:
+            self._new_pages = _view(self._resp.new_pages, torch.int32)
+        return self._new_pages
+
+    @property
+    def new_page_offsets(self) -> torch.Tensor:
+        """int32 [n + 1]."""
+        if self._new_page_offsets is None:
+            self._new_page_offsets = _view(self._resp.new_page_offsets, torch.int32)
+        return self._new_page_offsets
+
+    @property
+    def num_pages_released(self) -> int:
+        return self._resp.num_pages_released
+
+    @property
+    def num_free_pages(self) -> int:
+        """Free pages in the pool right after this step."""
+        return self._resp.num_free_pages
 
     @property
     def ok(self) -> bool:
-        """Every alloc item succeeded."""
-        return not bool(torch.count_nonzero(self.status))
+        """Every alloc item succeeded (read from the status bytes: no tensor needed)."""
+        status = self._resp.alloc_status
+        return status.count(0) == len(status)
 
     def kv_loc_of(self, i: int) -> torch.Tensor:
         return self.kv_loc[int(self.kv_loc_offsets[i]) : int(self.kv_loc_offsets[i + 1])]
 
     def new_pages_of(self, i: int) -> torch.Tensor:
         return self.new_pages[int(self.new_page_offsets[i]) : int(self.new_page_offsets[i + 1])]
+
+    def __repr__(self) -> str:
+        return (
+            f"StepResult(status={self.status.tolist()}, kv_loc={self.kv_loc.tolist()[:32]}"
+            f"{'...' if self.kv_loc.numel() > 32 else ''}, new_pages={self.new_pages.tolist()[:32]}, "
+            f"num_free_pages={self.num_free_pages})"
+        )
 
 
 def _view(data: bytes, dtype: torch.dtype) -> torch.Tensor:
@@ -101,17 +156,7 @@ def _view(data: bytes, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_result(resp: kvmem_pb2.StepResponse) -> StepResult:
-    """Views of the response bytes (little-endian int32, as the proto says; every
-    platform torch ships on is little-endian). No copy, no loop."""
-    return StepResult(
-        status=_view(resp.alloc_status, torch.int8),
-        kv_loc=_view(resp.kv_loc, torch.int32),
-        kv_loc_offsets=_view(resp.kv_loc_offsets, torch.int32),
-        new_pages=_view(resp.new_pages, torch.int32),
-        new_page_offsets=_view(resp.new_page_offsets, torch.int32),
-        num_pages_released=resp.num_pages_released,
-        num_free_pages=resp.num_free_pages,
-    )
+    return StepResult(resp)
 
 
 def check_epoch(expected: str, got: str) -> None:
