@@ -49,7 +49,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
@@ -66,7 +65,7 @@ BENCH_DIR = pathlib.Path(__file__).resolve().parent
 if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 import rpc_bench as rb  # noqa: E402  (shared helpers: DecodeSession, measure, summary, ...)
-from rpc_bench import BenchFailed, Contender, DecodeSession, check, gc_off, measure, proc_cpu_s, summary  # noqa: E402
+from rpc_bench import BenchFailed, Contender, DecodeSession, check, gc_off, measure, summary  # noqa: E402
 
 KVMEM_SERVICE = "kvmem.v1.KVMemory"
 # Scenario a: a realistic model's KV geometry (2 MiB pages), the pool set by --memory.
@@ -89,9 +88,12 @@ TARGETS: dict[str, tuple[str, float | None, str]] = {
 # ------------------------------------------------------------------------ servers
 
 
-class Fleet:
+class Fleet(rb.ServerProcesses):
     """Named ``kvmem serve`` subprocesses on short socket paths under /tmp, their shm
-    files in one private directory. ``stop()`` is safe to call more than once."""
+    files in one private directory. ``stop()`` is safe to call more than once and counts
+    the shm files the servers left (there should be none)."""
+
+    stop_grace_s = 20.0
 
     def __init__(self, shm_parent: str) -> None:
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="kvmb", dir="/tmp"))
@@ -148,38 +150,11 @@ class Fleet:
             for channel in channels.values():
                 channel.close()
 
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise BenchFailed(f"server {name} died (exit {proc.returncode}):\n{self.log_tail(name)}")
-
-    def cpu_s(self) -> dict[str, float | None]:
-        return {name: proc_cpu_s(proc.pid) for name, proc in self.procs.items()}
-
-    def log_tail(self, name: str, n: int = 20) -> str:
-        try:
-            lines = self.logs[name].read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:]) or "(empty log)"
-
     def stop(self) -> dict[str, int | None]:
-        codes: dict[str, int | None] = {}
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        for name, proc in self.procs.items():
-            try:
-                codes[name] = proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[name] = proc.wait()
-        self.procs.clear()
+        codes = super().stop()
         left = sorted(os.listdir(self.shm_dir)) if os.path.isdir(self.shm_dir) else []
-        codes["shm_files_left"] = len(left) or None  # type: ignore[assignment]
+        codes["shm_files_left"] = len(left) or None
         shutil.rmtree(self.shm_dir, ignore_errors=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
         return codes
 
 

@@ -128,10 +128,51 @@ def decode_lens(n: int) -> np.ndarray:
 # ------------------------------------------------------------------------ servers
 
 
-class Servers:
+class ServerProcesses:
+    """Named server subprocesses with logs under ``self.dir``. ``stop()`` sends SIGTERM
+    (then SIGKILL after a grace), removes ``self.dir`` and is safe to call more than
+    once. Subclasses set ``dir``, ``procs``, ``logs`` and start the processes."""
+
+    dir: pathlib.Path
+    procs: dict[str, subprocess.Popen[bytes]]
+    logs: dict[str, pathlib.Path]
+    stop_grace_s = 10.0
+
+    def cpu_s(self) -> dict[str, float | None]:
+        return {name: proc_cpu_s(proc.pid) for name, proc in self.procs.items()}
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise BenchFailed(f"the {name} server died (exit {proc.returncode}):\n{self.log_tail(name)}")
+
+    def log_tail(self, name: str, n: int = 20) -> str:
+        try:
+            lines = self.logs[name].read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:]) or "(empty log)"
+
+    def stop(self) -> dict[str, int | None]:
+        codes: dict[str, int | None] = {}
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(timeout=self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        self.procs.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return codes
+
+
+class Servers(ServerProcesses):
     """The kvmem server and the echo server, as subprocesses on short socket paths
-    under /tmp. ``stop()`` sends SIGTERM (then SIGKILL after a grace) and is safe to
-    call more than once."""
+    under /tmp."""
 
     def __init__(self, num_pages: int) -> None:
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="kvb", dir="/tmp"))
@@ -184,37 +225,6 @@ class Servers:
                     raise BenchFailed(f"the {name} server was not ready after {timeout_s:g} s:\n{self.log_tail(name)}")
                 time.sleep(0.05)
 
-    def cpu_s(self) -> dict[str, float | None]:
-        """CPU seconds (user + system) each server has used so far, from /proc."""
-        return {name: proc_cpu_s(proc.pid) for name, proc in self.procs.items()}
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise BenchFailed(f"the {name} server died (exit {proc.returncode}):\n{self.log_tail(name)}")
-
-    def log_tail(self, name: str, n: int = 20) -> str:
-        try:
-            lines = self.logs[name].read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:]) or "(empty log)"
-
-    def stop(self) -> dict[str, int | None]:
-        codes: dict[str, int | None] = {}
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        for name, proc in self.procs.items():
-            try:
-                codes[name] = proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[name] = proc.wait()
-        self.procs.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return codes
 
 
 # ------------------------------------------------------------------ client side
@@ -512,7 +522,7 @@ def _worker(
     try:
         import torch  # noqa: F401 - the slow imports, done before the parent starts timing
 
-        import kvmem.client  # noqa: F401
+        import kvmem.client.sync  # noqa: F401
 
         results.put(("imported", idx))
         if not go.wait(timeout=600):

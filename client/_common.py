@@ -12,7 +12,6 @@ import grpc
 import numpy as np
 import torch
 
-from kvmem.client.admin import auth_metadata, normalize_target  # noqa: F401  (re-exported for the clients)
 from kvmem.client.errors import SessionLost
 from kvmem.v1 import kvmem_pb2
 

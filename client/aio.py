@@ -12,7 +12,7 @@ import torch
 
 from kvmem.client import _common as common
 from kvmem.client._common import IntsLike, StepResult
-from kvmem.client.admin import CHANNEL_OPTIONS
+from kvmem.client.admin import CHANNEL_OPTIONS, auth_metadata, normalize_target
 from kvmem.client.errors import KVMemError, SessionLost, from_rpc_error
 from kvmem.client.memory import MemoryViews
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
@@ -37,12 +37,12 @@ class AsyncKVMemClient(MemoryViews):
         auth_token: str | None = None,
         keepalive: bool = True,
     ) -> None:
-        self.target = common.normalize_target(target)
+        self.target = normalize_target(target)
         self.timeout = timeout
         self._name = name
         self._quota_pages = quota_pages
         self._keepalive_enabled = keepalive
-        self._metadata = common.auth_metadata(auth_token)
+        self._metadata = auth_metadata(auth_token)
         self._channel: grpc.aio.Channel | None = None
         self._stub: kvmem_pb2_grpc.KVMemoryStub | None = None
         self._broken: KVMemError | None = None

@@ -17,6 +17,7 @@ import pytest
 
 from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PagePool, PoolStats, StepResult
 from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
+from core_state import snapshot
 
 OK = AllocStatus.OK
 OUT_OF_PAGES = AllocStatus.OUT_OF_PAGES
@@ -93,26 +94,6 @@ def check_result_types(res: StepResult, n: int) -> None:
     assert res.new_page_offsets.dtype == np.int32 and res.new_page_offsets.shape == (n + 1,)
     assert res.kv_loc_offsets[0] == 0 and res.kv_loc_offsets[-1] == res.kv_loc.size
     assert res.new_page_offsets[0] == 0 and res.new_page_offsets[-1] == res.new_pages.size
-
-
-def snapshot(core: KVCore) -> dict:
-    """Everything a call could change: block table, reference counts, the free stack
-    (contents and order), per-slot lengths and owners, the free request slots, per-owner
-    accounting, and the public stats."""
-    pool = core.pool
-    return {
-        "block_table": core.block_table.copy(),
-        "ref_cnt": pool.ref_cnt.copy(),
-        "num_free": pool.num_free,
-        "free_stack": pool._free[: pool.num_free].copy(),
-        "alloced": core._alloced.copy(),
-        "owner_of": core._owner_of.copy(),
-        "free_slots": list(core._free_slots),
-        "owners": {
-            name: (o.quota_pages, o.num_pages_held, dict(o.request_slots)) for name, o in core._owners.items()
-        },
-        "stats": core.stats(),
-    }
 
 
 def assert_unchanged(before: dict, core: KVCore) -> None:

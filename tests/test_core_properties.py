@@ -22,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvmem.server.core import AllocStatus, CoreConfig, KVCore
 from kvmem.server.errors import KVMemError, Reason
+from core_state import snapshot
 
 OWNERS = ("o0", "o1", "o2")
 REQUEST_IDS = tuple(f"r{i}" for i in range(6))
@@ -37,23 +38,6 @@ RIDS = st.lists(st.sampled_from(REQUEST_IDS), min_size=1, max_size=4)
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def snapshot(core: KVCore) -> dict:
-    pool = core.pool
-    return {
-        "block_table": core.block_table.copy(),
-        "ref_cnt": pool.ref_cnt.copy(),
-        "num_free": pool.num_free,
-        "free_stack": pool._free[: pool.num_free].copy(),
-        "alloced": core._alloced.copy(),
-        "owner_of": core._owner_of.copy(),
-        "free_slots": list(core._free_slots),
-        "owners": {
-            name: (o.quota_pages, o.num_pages_held, dict(o.request_slots)) for name, o in core._owners.items()
-        },
-        "stats": core.stats(),
-    }
 
 
 def assert_same_snapshot(before: dict, after: dict) -> None:
