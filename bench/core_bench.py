@@ -61,6 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _reference import Reference, default_reference_path, load_reference  # noqa: E402
+from _table import render  # noqa: E402
 
 from kvmem.server.core import CoreConfig, KVCore  # noqa: E402
 from kvmem.server.tuning import keep_freed_memory  # noqa: E402
@@ -598,15 +599,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         t = row["target"]
         target = "-" if t is None else f"{'≥' if t['op'] == '>=' else '≤'} {t['value']:g}x"
         lines.append((SCENARIO_TITLES[row["scenario"]], kv_txt, base_txt, ratio, target, row["result"]))
-    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-    right = {1, 2, 3, 4}
-
-    def fmt(cells: tuple[str, ...]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    out = [fmt(header), "  ".join("-" * w for w in widths)]
-    out += [fmt(line) for line in lines]
-    return "\n".join(out)
+    return render(header, lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,7 @@ if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 import rpc_bench as rb  # noqa: E402  (shared helpers: DecodeSession, measure, summary, ...)
 from rpc_bench import BenchFailed, Contender, DecodeSession, check, gc_off, measure, summary  # noqa: E402
+from _table import render  # noqa: E402
 
 KVMEM_SERVICE = "kvmem.v1.KVMemory"
 # Scenario a: a realistic model's KV geometry (2 MiB pages), the pool set by --memory.
@@ -340,12 +341,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         target = "—" if r["target"] is None else f"≤ {r['target']['value']:g}x"
         lines.append((r["title"], v, b, ratio, target, r["result"]))
-    widths = [max(len(x[i]) for x in [header, *lines]) for i in range(len(header))]
-
-    def fmt(cells: tuple[str, ...]) -> str:
-        return "  ".join(c.rjust(w) if 0 < i < 5 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *(fmt(x) for x in lines)])
+    return render(header, lines)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -77,6 +77,7 @@ from _echo_server import METHOD as ECHO_METHOD  # noqa: E402
 from _echo_server import SERVICE as ECHO_SERVICE  # noqa: E402
 from _echo_server import payload as echo_payload  # noqa: E402
 from _reference import Reference, default_reference_path, load_reference  # noqa: E402
+from _table import render  # noqa: E402
 
 PAGE_SIZE = 16
 NUM_REQUESTS = 256
@@ -773,12 +774,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         op = "≥" if r["target"]["op"] == ">=" else "≤"
         lines.append((r["title"], v, b, ratio, f"{op} {r['target']['value']:g}x", r["result"]))
-    widths = [max(len(x[i]) for x in [header, *lines]) for i in range(len(header))]
-
-    def fmt(cells: tuple[str, ...]) -> str:
-        return "  ".join(c.rjust(w) if 0 < i < 5 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *(fmt(x) for x in lines)])
+    return render(header, lines)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

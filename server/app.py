@@ -34,7 +34,7 @@ from kvmem.server.memory import (
 )
 from kvmem.server.engine import Engine
 from kvmem.server.tuning import keep_freed_memory
-from kvmem.server.service import KVMemoryService, handle_to_proto, layout_to_proto
+from kvmem.server.service import KVMemoryService, geometry_to_proto, handle_to_proto
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 log = logging.getLogger("kvmem.server")
@@ -222,17 +222,8 @@ class KVMemServer:
         )
 
         self.engine = Engine(core_cfg, cfg.lease_s, self.memory)
-        geometry = kvmem_pb2.PoolGeometry(
-            num_pages=core_cfg.num_pages,
-            page_size=core_cfg.page_size,
-            max_requests=core_cfg.max_requests,
-            max_context_len=core_cfg.max_context_len,
-            max_pages_per_request=core_cfg.max_pages_per_request,
-        )
-        handles = []
-        if self.memory is not None:
-            geometry.layout.CopyFrom(layout_to_proto(kv_geometry))
-            handles = [handle_to_proto(h) for h in self.memory.handles()]
+        geometry = geometry_to_proto(core_cfg, None if self.memory is None else kv_geometry)
+        handles = [] if self.memory is None else [handle_to_proto(h) for h in self.memory.handles()]
         backend_name = "none" if self.memory is None else self.memory.name
         self.service = KVMemoryService(self.engine, geometry, handles, backend_name, cfg.auth_token)
         kvmem_pb2_grpc.add_KVMemoryServicer_to_server(self.service, server)

@@ -22,6 +22,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from kvmem.server.core import CoreConfig
 from kvmem.server.engine import Engine
 from kvmem.server.memory import HandleInfo, KVGeometry
 from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
@@ -63,6 +64,20 @@ def layout_to_proto(g: KVGeometry) -> kvmem_pb2.KVLayout:
         dtype=g.dtype,
         bytes_per_token=g.bytes_per_token,
     )
+
+
+def geometry_to_proto(core: CoreConfig, kv: KVGeometry | None) -> kvmem_pb2.PoolGeometry:
+    """The pool geometry Attach and Stats report; ``kv`` is None without KV memory."""
+    msg = kvmem_pb2.PoolGeometry(
+        num_pages=core.num_pages,
+        page_size=core.page_size,
+        max_requests=core.max_requests,
+        max_context_len=core.max_context_len,
+        max_pages_per_request=core.max_pages_per_request,
+    )
+    if kv is not None:
+        msg.layout.CopyFrom(layout_to_proto(kv))
+    return msg
 
 
 def handle_to_proto(h: HandleInfo) -> kvmem_pb2.MemoryHandle:

@@ -18,7 +18,7 @@ import torch
 
 from kvmem.client.memory import MappedMemory, MemoryMapError
 from kvmem.server.core import CoreConfig, KVCore
-from kvmem.server.service import handle_to_proto, layout_to_proto
+from kvmem.server.service import geometry_to_proto, handle_to_proto
 from kvmem.server.memory import (
     CudaBackend,
     GeometryError,
@@ -45,14 +45,8 @@ def to_proto_handle(info: HandleInfo) -> pb.MemoryHandle:
 
 
 def to_proto_geometry(backend) -> pb.PoolGeometry:
-    return pb.PoolGeometry(
-        num_pages=backend.num_pages,
-        page_size=backend.geometry.page_size,
-        max_requests=backend.max_requests,
-        max_context_len=backend.max_context_len,
-        max_pages_per_request=backend.max_pages_per_request,
-        layout=layout_to_proto(backend.geometry),
-    )
+    core = CoreConfig(backend.num_pages, backend.geometry.page_size, backend.max_requests, backend.max_context_len)
+    return geometry_to_proto(core, backend.geometry)  # the service's own translation
 
 
 def attach_bytes(backend) -> tuple[list[bytes], bytes]:
