@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import sys
 from collections.abc import Sequence
 from typing import NewType
 
@@ -127,16 +128,23 @@ class PagePool:
     a page is in ``_free[:_num_free]`` exactly when its ``ref_cnt`` is 0; page 0 is never
     in the stack and its ``ref_cnt`` stays 0. The stack is a preallocated array, so a
     take or a give back of ``P`` pages costs O(P), whatever the pool's size.
+
+    Each page has one 64-bit word: its reference count in the low 32 bits (``ref_cnt``
+    is that half, a strided int32 view) and a scratch stamp in the high 32 bits that
+    :meth:`unref` uses to find pages listed twice. One word per page lets a free read
+    and write count and stamp together: three passes over the pages, not four.
     """
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
-        self.ref_cnt = np.zeros(num_pages, dtype=np.int32)
+        self._word = np.zeros(num_pages, dtype=np.int64)
+        low = 0 if sys.byteorder == "little" else 1
+        self.ref_cnt = self._word.view(np.int32)[low::2]
+        self._low = low
         # Descending, so the first pages handed out are 1, 2, 3, ... (readable in tests).
         self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
         self._num_free = num_pages - 1
-        self._scratch = np.zeros(num_pages, dtype=np.int32)  # duplicate detection
-        self._arange = np.arange(1 << 16, dtype=np.int32)
+        self._stamps = np.arange(1 << 16, dtype=np.int64) << 32  # position i -> i << 32
 
     @property
     def num_free(self) -> int:
@@ -149,7 +157,7 @@ class PagePool:
             raise CorruptionError(f"take({num}) with only {top} free pages")
         pages = self._free[top - num : top][::-1].copy()
         self._num_free = top - num
-        self.ref_cnt[pages] = 1
+        self._word[pages] = 1  # count 1, stamp cleared
         return pages
 
     def unref(self, pages: np.ndarray) -> int:
@@ -159,8 +167,9 @@ class PagePool:
         double free: nothing changes and :class:`CorruptionError` is raised. Returns the
         number of pages freed.
 
-        Cost O(P): one gather of the counts, one duplicate check (scatter and gather of
-        a stamp), one scatter of the new counts; repeated pages (shared ones) are
+        Cost O(P): a gather of the words, a scatter of the new words (new count, and the
+        item's position as a stamp), and a gather that reads the stamps back: a page
+        listed twice keeps only one of its stamps. Repeated pages (shared ones) are then
         counted with a sort, O(P log P), only when there are any.
         """
         n = pages.size
@@ -169,39 +178,47 @@ class PagePool:
         if pages.min() <= 0:
             raise CorruptionError(f"unref of page ids <= 0: {pages[pages <= 0].tolist()[:16]}")
         idx = pages.astype(np.intp)  # numpy converts int32 indices on every use otherwise
+        word = self._word
         try:
-            counts = self.ref_cnt[idx]
+            old = word[idx]
         except IndexError:
             raise CorruptionError(f"unref of page ids >= {self.num_pages}: {pages.tolist()[:16]}") from None
-        order = self._order(n)
-        self._scratch[idx] = order
-        repeats = np.count_nonzero(self._scratch[idx] != order)
-        if not repeats and not np.count_nonzero(counts != 1):
-            # Every page listed once and held once (nothing shared): all become free.
-            self.ref_cnt[idx] = 0
-            freed = pages
+        counts = old.view(np.int32)[self._low :: 2]
+        stamps = self._stamps[:n] if n <= self._stamps.size else np.arange(n, dtype=np.int64) << 32
+        if not np.count_nonzero(counts != 1):
+            new = stamps  # held once each (nothing shared): every page becomes free
         else:
-            if repeats:  # shared pages listed more than once: count the repeats
-                pages, times = np.unique(pages, return_counts=True)
-                idx = pages.astype(np.intp)
-                counts = self.ref_cnt[idx]
-            else:
-                times = 1
-            short = counts < times
-            if np.count_nonzero(short):
-                bad = pages[short].tolist()[:16]
+            if np.count_nonzero(counts < 1):
+                bad = pages[counts < 1].tolist()[:16]
                 raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
-            counts -= times
-            self.ref_cnt[idx] = counts
-            freed = pages[counts == 0]
+            new = stamps + (counts - 1)
+        word[idx] = new
+        if np.count_nonzero(word[idx] != new):
+            # Some page is listed more than once: put the words back, count the repeats.
+            word[idx] = old
+            return self._unref_repeated(pages)
+        freed = pages if new is stamps else pages[counts == 1]
+        return self._push(freed)
+
+    def _unref_repeated(self, pages: np.ndarray) -> int:
+        """:meth:`unref` of a list with repeated pages (nothing changed yet). O(P log P)."""
+        pages, times = np.unique(pages, return_counts=True)
+        idx = pages.astype(np.intp)
+        counts = self.ref_cnt[idx]
+        short = counts < times
+        if np.count_nonzero(short):
+            bad = pages[short].tolist()[:16]
+            raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
+        counts -= times
+        self._word[idx] = counts
+        return self._push(pages[counts == 0])
+
+    def _push(self, freed: np.ndarray) -> int:
         # A later prefix cache sends cached pages to an evictable LRU here instead.
         top = self._num_free
         self._free[top : top + freed.size] = freed
         self._num_free = top + freed.size
         return int(freed.size)
-
-    def _order(self, n: int) -> np.ndarray:
-        return self._arange[:n] if n <= self._arange.size else np.arange(n, dtype=np.int32)
 
 
 @dataclasses.dataclass(slots=True)
@@ -509,35 +526,48 @@ class KVCore:
         self.block_table[rows, cols] = 0
         return int(pages.size)
 
-    def _drop_rows(self, slots: np.ndarray, have: np.ndarray) -> int:
-        """Unreference every page of each slot's row and zero the rows: one 2-D slice
-        of the first ``max(have)`` columns instead of a per-page gather. O(n * max(have))."""
-        if not have.size:
+    def _drop_rows(self, slots: np.ndarray, alloced: np.ndarray) -> int:
+        """Unreference every page of each slot's row (``alloced`` tokens long) and zero
+        the rows: one 2-D slice of the first ``max`` page columns instead of a per-page
+        gather. O(n * max pages per row)."""
+        if not alloced.size:
             return 0
-        width = int(have.max())
-        if width == 0:
+        longest = int(alloced.max())
+        if longest == 0:
             return 0
+        ps = self._ps
+        width = -(-longest // ps)
         bt = self.block_table
         rows = bt[slots, :width]
-        if int(have.min()) == width:
-            pages = rows.ravel()
+        if int(alloced.min()) > (width - 1) * ps:  # every row holds exactly `width` pages
+            pages = rows.reshape(-1)
         else:
-            pages = rows[self._col[:width] < have[:, None]]
+            pages = rows[self._col[:width] < self._num_pages_for(alloced)[:, None]]
         self.pool.unref(pages)
         bt[slots, :width] = 0
         return int(pages.size)
 
     def _release(self, state: _Owner, slots: np.ndarray) -> int:
         """End requests: drop their pages, zero their rows, free their slots."""
-        dropped = self._drop_rows(slots, self._num_pages_for(self._alloced[slots]))
+        dropped = self._drop_rows(slots, self._alloced[slots])
         state.num_pages_held -= dropped
         self._alloced[slots] = 0
         self._owner_of[slots] = 0
         self._free_slots.extend(slots.tolist())
         state.num_requests -= slots.size
         if len(state.request_slots) > 2 * state.num_requests + 64:
-            state.request_slots = {r: s for r, s in state.request_slots.items() if self._live_slot(state, r)}
+            self._compact_request_map(state)
         return dropped
+
+    def _compact_request_map(self, state: _Owner) -> None:
+        """Rebuild ``state.request_slots`` from the open slots, dropping released ids.
+        O(max_requests) numpy plus O(open requests) Python; called once the map holds
+        more stale entries than live ones (plus 64), so amortised O(1) per release."""
+        if state.num_requests == 0:
+            state.request_slots = {}
+            return
+        ids = self._slot_request_id
+        state.request_slots = {ids[s]: s for s in self.slots_of(state.name).tolist()}
 
     def _truncate(self, state: _Owner, slots: np.ndarray, new_lens: np.ndarray) -> int:
         have = self._num_pages_for(self._alloced[slots])

@@ -16,12 +16,12 @@ nothing at all.
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvmem.server.core import AllocStatus, CoreConfig, KVCore
-from kvmem.server.errors import KVMemError, Reason
+from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PagePool
+from kvmem.server.errors import CorruptionError, KVMemError, Reason
 from core_state import snapshot
 
 OWNERS = ("o0", "o1", "o2")
@@ -502,3 +502,48 @@ CoreMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCoreMachine = CoreMachine.TestCase
+
+
+# ------------------------------------------------------- PagePool.unref against a model
+
+POOL_PAGES = 12
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 3), min_size=POOL_PAGES - 1, max_size=POOL_PAGES - 1),
+    drop=st.lists(st.integers(-1, POOL_PAGES), max_size=20),
+)
+def test_pool_unref_matches_a_counter_model(counts: list[int], drop: list[int]) -> None:
+    """Any reference counts, any list of page ids (repeats, free pages, page 0 and ids
+    out of range included): either every count drops by the times its page is listed
+    and exactly the pages reaching 0 are pushed once each, or CorruptionError and
+    nothing changes (counts, stamps aside, free stack)."""
+    pool = PagePool(POOL_PAGES)
+    held = pool.take(POOL_PAGES - 1)  # pages 1..11, then give back the ones at count 0
+    pool.ref_cnt[held] = counts
+    pool._push(held[np.asarray(counts) == 0])
+
+    def state() -> tuple:
+        return pool.ref_cnt.tolist(), pool.num_free, sorted(pool._free[: pool.num_free].tolist())
+
+    before = state()
+    model = [0, *counts]
+    times = {p: drop.count(p) for p in drop}
+    valid = all(1 <= p < POOL_PAGES and model[p] >= t for p, t in times.items())
+    if not valid:
+        try:
+            pool.unref(np.array(drop, dtype=np.int32))
+        except CorruptionError:
+            assert state() == before
+            return
+        raise AssertionError(f"unref({drop}) with counts {counts} did not raise")
+    freed = pool.unref(np.array(drop, dtype=np.int32))
+    for p, t in times.items():
+        model[p] -= t
+    newly = sorted(p for p, t in times.items() if model[p] == 0)
+    assert freed == len(newly)
+    ref, num_free, free = state()
+    assert ref == model
+    assert num_free == before[1] + len(newly)
+    assert free == sorted(before[2] + newly)
