@@ -276,15 +276,22 @@ class KVCore:
         self.block_table = block_table
         self.pool = PagePool(config.num_pages)
         self._ps = config.page_size
+        ps = config.page_size
+        self._ps_shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else None
         n_slots = config.max_requests + 2  # slot 0 padding, last entry a sentinel
         self._owner_of = np.zeros(n_slots, dtype=np.int32)
-        self._alloced = np.zeros(n_slots, dtype=np.int64)
+        # int32: a length never exceeds the pool's tokens (< 2^31, checked by CoreConfig),
+        # and decode arithmetic on it then stays int32 end to end.
+        self._alloced = np.zeros(n_slots, dtype=np.int32)
+        self._ctx_limit = min(config.max_context_len, _INT32_MAX)
         self._slot_request_id: list[str | None] = [None] * n_slots
         self._slot_scratch = np.zeros(n_slots, dtype=np.int64)
         self._arange = np.arange(max(n_slots, config.page_size), dtype=np.int64)
         self._page_offsets = np.arange(config.page_size, dtype=np.int32)
         self._col = np.arange(config.max_pages_per_request, dtype=np.int64)
         self._ramp = _frozen(np.arange(n_slots + 1, dtype=np.int32))  # decode kv_loc offsets
+        self._zeros32 = _frozen(np.zeros(n_slots + 1, dtype=np.int32))  # decode page offsets, no page taken
+        self._zeros8 = _frozen(np.zeros(n_slots + 1, dtype=np.int8))  # decode status: all OK
         self._free_slots: list[int] = list(range(config.max_requests, 0, -1))
         self._owners: dict[str, _Owner] = {}
         self._next_owner_index = 1
@@ -407,6 +414,12 @@ class KVCore:
                 Reason.LENGTH_MISMATCH,
                 f"alloc_slots has {al.size} items but alloc_expected_lens has {expected.size}",
             )
+
+        if al.size and not rel.size and not tr.size:
+            result = self._decode(state, al, need, expected)
+            if result is not None:
+                self._maybe_audit()
+                return result
 
         # --- validate (nothing changes in this block) ---
         if rel.size:
@@ -582,10 +595,6 @@ class KVCore:
         if n == 0:
             return StepResult(_NO_STATUS, _NO_INT32, _ZERO_OFFSETS, _NO_INT32, _ZERO_OFFSETS, 0)
         assert cur is not None
-        if np.count_nonzero(need) == n and int(need.sum()) == n:  # one token each: decode
-            result = self._alloc_one_token(state, slots, cur)
-            if result is not None:
-                return result
         ps = self._ps
         cfg = self.config
         end = cur + need
@@ -656,34 +665,65 @@ class KVCore:
         page_off[1:] = np.cumsum(cnt)
         return StepResult(status, kv_loc, kv_off, pages, page_off, 0)
 
-    def _alloc_one_token(self, state: _Owner, slots: np.ndarray, cur: np.ndarray) -> StepResult | None:
-        """A decode step: one token per item. An item opens a new page exactly when its
-        length is page-aligned, so this takes half the array operations of the general
-        path. Returns None (nothing changed) when any item falls short; the general path
-        then decides per item. O(n)."""
+    def _decode(
+        self, state: _Owner, slots: np.ndarray, need: np.ndarray, expected: np.ndarray | None
+    ) -> StepResult | None:
+        """A step of allocs only, one token each, every item valid and served: a
+        decode step, the one a server makes most. It validates and applies in about
+        25 array operations instead of the general path's 35 (a step arrives with the
+        caches cold, where each operation's fixed cost dominates at these sizes).
+        Returns None, having changed nothing, when anything is off (a bad or
+        duplicate slot, a need other than 1, an expectation not met, the pool or the
+        quota short, the context limit): the general path then decides, raises or
+        answers per item. O(n).
+
+        An item opens a new page exactly when its length is page-aligned; its token
+        goes to ``page * page_size + length % page_size`` of the page its row holds
+        at column ``length // page_size``."""
         n = slots.size
+        if n > self._arange.size or np.count_nonzero(need != 1):
+            return None
+        if np.count_nonzero(self._owner_of.take(slots, mode="clip") != state.index):
+            return None
+        order = self._arange[:n]
+        scratch = self._slot_scratch
+        scratch[slots] = order
+        if np.count_nonzero(scratch[slots] != order):
+            return None
+        cur = self._alloced[slots]
+        if expected is not None:
+            wrong = expected != cur
+            if np.count_nonzero(wrong) and np.count_nonzero(expected[wrong] != _NO_EXPECTATION):
+                return None
+        if np.count_nonzero(cur >= self._ctx_limit):
+            return None
         ps = self._ps
-        rem = cur % ps
+        if self._ps_shift is not None:  # a power of two: two cheap ufuncs beat divmod's one
+            col = cur >> self._ps_shift
+            rem = cur & (ps - 1)
+        else:
+            col, rem = np.divmod(cur, ps)
         grow = rem == 0
         total = int(np.count_nonzero(grow))
         quota = state.quota_pages
-        if (
-            total > self.pool.num_free
-            or (quota is not None and total > quota - state.num_pages_held)
-            or np.count_nonzero(cur >= self.config.max_context_len)
-        ):
+        if total > self.pool.num_free or (quota is not None and total > quota - state.num_pages_held):
             return None
-        pages = self.pool.take(total)
         bt = self.block_table
-        page_idx = cur // ps
+        page = bt[slots, col]  # int32: the page each token lands in (0 where a new one goes)
         if total:
-            bt[slots[grow], page_idx[grow]] = pages
+            pages = self.pool.take(total)
+            page[grow] = pages
+            bt[slots, col] = page
+            page_off = np.zeros(n + 1, dtype=np.int32)
+            np.add.accumulate(grow, dtype=np.int32, out=page_off[1:])  # half np.cumsum's cost
+            state.num_pages_held += total
+        else:
+            pages = _NO_INT32
+            page_off = self._zeros32[: n + 1]
         self._alloced[slots] = cur + 1
-        state.num_pages_held += total
-        kv_loc = (bt[slots, page_idx] * ps + rem).astype(np.int32)
-        page_off = np.zeros(n + 1, dtype=np.int32)
-        page_off[1:] = np.cumsum(grow)
-        return StepResult(np.zeros(n, dtype=np.int8), kv_loc, self._ramp[: n + 1], pages, page_off, 0)
+        kv_loc = page * ps
+        kv_loc += rem  # int32 throughout
+        return StepResult(self._zeros8[:n], kv_loc, self._ramp[: n + 1], pages, page_off, 0)
 
     def _kv_loc_by_page(self, slots: np.ndarray, cur: np.ndarray, end: np.ndarray, need: np.ndarray) -> np.ndarray:
         """kv_loc of many tokens per item, by page: each touched page contributes a run

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -111,11 +112,26 @@ def _unary(method: F) -> F:
 
 
 def _array(field: Any) -> np.ndarray:
-    """A packed repeated int field as an int64 array (C-level copy, no Python loop)."""
-    return np.array(field, dtype=np.int64) if len(field) else _EMPTY
+    """A packed repeated int field as an int64 array, without a Python loop. Up to 128
+    items ``np.fromiter`` (which walks the field in C) costs half of protobuf's numpy
+    conversion on a server whose caches are cold between calls; beyond, the conversion
+    wins (measured in the server: 20 vs 40 µs for two 32-item fields, 45 vs 50 µs for
+    two of 256)."""
+    n = len(field)
+    if not n:
+        return _EMPTY
+    return np.fromiter(field, np.int64, n) if n <= 128 else np.array(field, dtype=np.int64)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _le_bytes(a: np.ndarray) -> bytes:
+    """An int32 array as the little-endian bytes the proto promises."""
+    return a.tobytes() if _LITTLE_ENDIAN else a.astype("<i4").tobytes()
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
@@ -188,10 +204,10 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         return kvmem_pb2.StepResponse(
             epoch=self.engine.epoch,
             alloc_status=result.alloc_status.tobytes(),
-            kv_loc=result.kv_loc.astype("<i4", copy=False).tobytes(),
-            kv_loc_offsets=result.kv_loc_offsets.astype("<i4", copy=False).tobytes(),
-            new_pages=result.new_pages.astype("<i4", copy=False).tobytes(),
-            new_page_offsets=result.new_page_offsets.astype("<i4", copy=False).tobytes(),
+            kv_loc=_le_bytes(result.kv_loc),
+            kv_loc_offsets=_le_bytes(result.kv_loc_offsets),
+            new_pages=_le_bytes(result.new_pages),
+            new_page_offsets=_le_bytes(result.new_page_offsets),
             num_pages_released=result.num_pages_released,
             num_free_pages=self.engine.core.pool.num_free,
         )

@@ -274,10 +274,58 @@ class CoreMachine(RuleBasedStateMachine):
         """Every request of one owner asks for the same few tokens (decode, or a
         speculative reserve): the batched one-token path and its page boundaries."""
         owner = self.draw_owner(data)
-        mine = self.slots_of(owner)
+        mine = data.draw(st.permutations(self.slots_of(owner)), label="decode_order")
         k = data.draw(st.integers(1, 2), label="tokens")
         atomic = data.draw(BOOL, label="atomic")
-        self.check_step(owner, dict(alloc_slots=mine, alloc_needs=[k] * len(mine)), atomic)
+        kw = dict(alloc_slots=mine, alloc_needs=[k] * len(mine))
+        mode = data.draw(EXPECT_MODE, label="expected")
+        if mode == "given":  # the right lengths, some left out (-1)
+            kw["alloc_expected_lens"] = [
+                self.reqs[s].alloced if data.draw(BOOL, label="expect") else -1 for s in mine
+            ]
+        elif mode == "empty":
+            kw["alloc_expected_lens"] = []
+        self.check_step(owner, kw, atomic)
+
+    @rule(data=st.data())
+    def invalid_decode(self, data) -> None:
+        """A one-token-each step with exactly one thing wrong: the decode fast path must
+        hand it to the full validation, which raises, and nothing changes."""
+        owner = self.draw_owner(data)
+        al = data.draw(st.permutations(self.slots_of(owner)), label="decode_order")
+        expected = [self.reqs[s].alloced for s in al]
+        theirs = [s for s, r in self.reqs.items() if r.owner != owner]
+        closed = [s for s in range(1, self.cfg.max_requests + 1) if s not in self.reqs]
+        kinds = ["bad_slot"] + (["duplicate", "expected_mismatch", "expected_bad"] if al else [])
+        kind = data.draw(st.sampled_from(kinds), label="decode_corruption")
+        event(f"invalid decode: {kind}")
+        i = data.draw(st.integers(0, len(al)), label="at")
+        if kind == "bad_slot":
+            bad = theirs + closed + [0, self.cfg.max_requests + 1, -1, 2**40]
+            al.insert(i, data.draw(st.sampled_from(bad), label="bad_slot"))
+            expected.insert(i, -1)
+            reason = Reason.SLOT_NOT_FOUND
+        elif kind == "duplicate":
+            j = data.draw(st.integers(0, len(al) - 1), label="dup_of")
+            al.insert(i, al[j])
+            expected.insert(i, -1)
+            reason = Reason.DUPLICATE_SLOT
+        else:
+            i = min(i, len(al) - 1)
+            expected[i] = expected[i] + 1 if kind == "expected_mismatch" else -2
+            reason = Reason.ALLOCED_LEN_MISMATCH if kind == "expected_mismatch" else Reason.BAD_VALUE
+        with_expected = kind.startswith("expected") or data.draw(BOOL, label="with_expected")
+        before = snapshot(self.core)
+        try:
+            self.core.step(
+                owner, alloc_slots=al, alloc_needs=[1] * len(al),
+                alloc_expected_lens=expected if with_expected else None,
+            )  # fmt: skip
+        except KVMemError as err:
+            assert err.reason is reason, (kind, err.reason, str(err), al, expected)
+        else:
+            raise AssertionError(f"invalid decode step ({kind}) was accepted: {al} {expected}")
+        assert_same_snapshot(before, snapshot(self.core))
 
     @rule(data=st.data())
     def invalid_step(self, data) -> None:
