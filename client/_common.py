@@ -29,8 +29,16 @@ AllocStatus.__doc__ = "Per-item result of an alloc (the proto's AllocStatus with
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
+_NO_COLUMN: tuple[int, ...] = ()  # the columns' default
+
+
 def _ints(values: IntsLike) -> Any:
-    if isinstance(values, (np.ndarray, torch.Tensor)):
+    """A list or tuple protobuf can extend a packed field with (type checks by identity
+    first: ``isinstance`` against ``torch.Tensor`` goes through its metaclass)."""
+    kind = type(values)
+    if kind is list or kind is tuple:
+        return values
+    if kind is torch.Tensor or kind is np.ndarray or isinstance(values, (np.ndarray, torch.Tensor)):
         return values.tolist()
     return values
 
@@ -44,27 +52,29 @@ def attach_request(name: str, quota_pages: int | None) -> kvmem_pb2.AttachReques
 
 def step_request(
     session_id: str,
-    release_slots: IntsLike = (),
-    truncate_slots: IntsLike = (),
-    truncate_lens: IntsLike = (),
-    alloc_slots: IntsLike = (),
-    alloc_needs: IntsLike = (),
+    release_slots: IntsLike = _NO_COLUMN,
+    truncate_slots: IntsLike = _NO_COLUMN,
+    truncate_lens: IntsLike = _NO_COLUMN,
+    alloc_slots: IntsLike = _NO_COLUMN,
+    alloc_needs: IntsLike = _NO_COLUMN,
     alloc_expected_lens: IntsLike | None = None,
     atomic: bool = False,
 ) -> kvmem_pb2.StepRequest:
-    # Construct, then extend each non-empty column: the same message as passing every
-    # column to the constructor, but an empty column costs nothing this way, and most
-    # steps leave four of the six empty (bench/rpc_bench.py: 3-5 µs less per step).
+    # Construct, then extend each column given: the same message as passing every column
+    # to the constructor, but a column left at its default costs nothing this way, and
+    # most steps leave four of the six empty (about 10 µs less per 256-item decode step
+    # than converting and extending all six).
     req = kvmem_pb2.StepRequest(session_id=session_id, atomic=atomic)
-    if len(release_slots):
-        req.release_slots.extend(_ints(release_slots))
-    if len(truncate_slots) or len(truncate_lens):
-        req.truncate_slots.extend(_ints(truncate_slots))
-        req.truncate_lens.extend(_ints(truncate_lens))
-    if len(alloc_slots) or len(alloc_needs):
-        req.alloc_slots.extend(_ints(alloc_slots))
-        req.alloc_needs.extend(_ints(alloc_needs))
-    if alloc_expected_lens is not None and len(alloc_expected_lens):
+    for field, values in (
+        (req.release_slots, release_slots),
+        (req.truncate_slots, truncate_slots),
+        (req.truncate_lens, truncate_lens),
+        (req.alloc_slots, alloc_slots),
+        (req.alloc_needs, alloc_needs),
+    ):
+        if values is not _NO_COLUMN:  # the default; anything else is extended, even if empty
+            field.extend(_ints(values))
+    if alloc_expected_lens is not None:
         req.alloc_expected_lens.extend(_ints(alloc_expected_lens))
     return req
 

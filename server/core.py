@@ -131,8 +131,8 @@ class PagePool:
 
     Each page has one 64-bit word: its reference count in the low 32 bits (``ref_cnt``
     is that half, a strided int32 view) and a scratch stamp in the high 32 bits that
-    :meth:`unref` uses to find pages listed twice. One word per page lets a free read
-    and write count and stamp together: three passes over the pages, not four.
+    :meth:`unref` uses to find pages listed twice. One word per page lets a free check
+    count and stamp with one gather and one comparison: three passes over the pages.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -144,7 +144,9 @@ class PagePool:
         # Descending, so the first pages handed out are 1, 2, 3, ... (readable in tests).
         self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
         self._num_free = num_pages - 1
-        self._stamps = np.arange(1 << 16, dtype=np.int64) << 32  # position i -> i << 32
+        self._stamp = self._word.view(np.int32)[1 - low :: 2]
+        self._order = np.arange(1 << 16, dtype=np.int32)  # positions, for the stamps
+        self._expect = (self._order.astype(np.int64) << 32) | 1  # stamp i, count 1
 
     @property
     def num_free(self) -> int:
@@ -167,10 +169,12 @@ class PagePool:
         double free: nothing changes and :class:`CorruptionError` is raised. Returns the
         number of pages freed.
 
-        Cost O(P): a gather of the words, a scatter of the new words (new count, and the
-        item's position as a stamp), and a gather that reads the stamps back: a page
-        listed twice keeps only one of its stamps. Repeated pages (shared ones) are then
-        counted with a sort, O(P log P), only when there are any.
+        Cost O(P), three passes over the pages: each item's position is scattered into
+        its page's stamp, one gather reads count and stamp together, and one comparison
+        with ``position << 32 | 1`` proves at once that every page is held once and
+        listed once (a page listed twice keeps only one position); then one scatter
+        frees them. Shared pages (counts above 1) take a second look at the counts;
+        pages listed more than once are counted with a sort, O(P log P).
         """
         n = pages.size
         if n == 0:
@@ -178,27 +182,30 @@ class PagePool:
         if pages.min() <= 0:
             raise CorruptionError(f"unref of page ids <= 0: {pages[pages <= 0].tolist()[:16]}")
         idx = pages.astype(np.intp)  # numpy converts int32 indices on every use otherwise
-        word = self._word
+        if n <= self._order.size:
+            order, expect = self._order[:n], self._expect[:n]
+        else:
+            order = np.arange(n, dtype=np.int32)
+            expect = (order.astype(np.int64) << 32) | 1
         try:
-            old = word[idx]
+            self._stamp[idx] = order  # scratch: changes no count
         except IndexError:
             raise CorruptionError(f"unref of page ids >= {self.num_pages}: {pages.tolist()[:16]}") from None
-        counts = old.view(np.int32)[self._low :: 2]
-        stamps = self._stamps[:n] if n <= self._stamps.size else np.arange(n, dtype=np.int64) << 32
-        if not np.count_nonzero(counts != 1):
-            new = stamps  # held once each (nothing shared): every page becomes free
-        else:
-            if np.count_nonzero(counts < 1):
-                bad = pages[counts < 1].tolist()[:16]
-                raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
-            new = stamps + (counts - 1)
-        word[idx] = new
-        if np.count_nonzero(word[idx] != new):
-            # Some page is listed more than once: put the words back, count the repeats.
-            word[idx] = old
-            return self._unref_repeated(pages)
-        freed = pages if new is stamps else pages[counts == 1]
-        return self._push(freed)
+        word = self._word
+        got = word[idx]
+        if not np.count_nonzero(got != expect):  # held once, listed once: all become free
+            word[idx] = 0
+            return self._push(pages)
+        halves = got.view(np.int32)
+        counts = halves[self._low :: 2]
+        if np.count_nonzero(counts < 1):
+            bad = pages[counts < 1].tolist()[:16]
+            raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
+        if np.count_nonzero(halves[1 - self._low :: 2] != order):
+            return self._unref_repeated(pages)  # some page listed more than once
+        counts = counts - 1
+        word[idx] = counts  # new counts, stamps cleared
+        return self._push(pages[counts == 0])
 
     def _unref_repeated(self, pages: np.ndarray) -> int:
         """:meth:`unref` of a list with repeated pages (nothing changed yet). O(P log P)."""
