@@ -179,9 +179,16 @@ class PagePool:
         n = pages.size
         if n == 0:
             return 0
-        if pages.min() <= 0:
-            raise CorruptionError(f"unref of page ids <= 0: {pages[pages <= 0].tolist()[:16]}")
-        idx = pages.astype(np.intp)  # numpy converts int32 indices on every use otherwise
+        # intp indices (numpy would convert int32 ones on every use), through uint32: a
+        # negative id becomes one past the pool and fails the first scatter below; page
+        # 0 has count 0, so it is a double free. No pass of its own for either check.
+        if pages.dtype == np.int32:
+            idx = pages.view(np.uint32).astype(np.intp)
+        else:  # not a block table's ids: check the range explicitly
+            pages = np.asarray(pages, dtype=np.int64)
+            if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
+                raise self._out_of_range(pages)
+            idx = pages.astype(np.intp)
         if n <= self._order.size:
             order, expect = self._order[:n], self._expect[:n]
         else:
@@ -190,7 +197,7 @@ class PagePool:
         try:
             self._stamp[idx] = order  # scratch: changes no count
         except IndexError:
-            raise CorruptionError(f"unref of page ids >= {self.num_pages}: {pages.tolist()[:16]}") from None
+            raise self._out_of_range(pages) from None
         word = self._word
         got = word[idx]
         if not np.count_nonzero(got != expect):  # held once, listed once: all become free
@@ -206,6 +213,10 @@ class PagePool:
         counts = counts - 1
         word[idx] = counts  # new counts, stamps cleared
         return self._push(pages[counts == 0])
+
+    def _out_of_range(self, pages: np.ndarray) -> CorruptionError:
+        bad = pages[(pages < 0) | (pages >= self.num_pages)].tolist()[:16]
+        return CorruptionError(f"unref of page ids outside [1, {self.num_pages}): {bad}", pages=bad)
 
     def _unref_repeated(self, pages: np.ndarray) -> int:
         """:meth:`unref` of a list with repeated pages (nothing changed yet). O(P log P)."""

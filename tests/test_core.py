@@ -821,9 +821,10 @@ def test_pool_unref_detects_double_free() -> None:
         ([0], "0"),  # the padding page
         ([6], "6"),  # out of range
         ([-1], "-1"),
+        ([1, 2**32 + 1], str(2**32 + 1)),  # int64 ids: never wrapped into int32
     ]:
         with pytest.raises(CorruptionError) as info:
-            pool.unref(np.array(bad, dtype=np.int32))
+            pool.unref(np.array(bad, dtype=np.int32 if max(bad) < 2**31 else np.int64))
         assert info.value.reason is Reason.CORRUPTION and info.value.kind is ErrorKind.INTERNAL
         assert named in str(info.value)
         assert frozen() == before, bad
