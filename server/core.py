@@ -305,7 +305,6 @@ class KVCore:
         self._slot_request_id: list[str | None] = [None] * n_slots
         self._slot_scratch = np.zeros(n_slots, dtype=np.int64)
         self._arange = np.arange(max(n_slots, config.page_size), dtype=np.int64)
-        self._page_offsets = np.arange(config.page_size, dtype=np.int32)
         self._col = np.arange(config.max_pages_per_request, dtype=np.int64)
         self._ramp = _frozen(np.arange(n_slots + 1, dtype=np.int32))  # decode kv_loc offsets
         self._zeros32 = _frozen(np.zeros(n_slots + 1, dtype=np.int32))  # decode page offsets, no page taken
@@ -505,30 +504,25 @@ class KVCore:
         self._maybe_audit()
         return result
 
+    def _slots_ok(self, state: _Owner, slots: np.ndarray) -> bool:
+        """Every slot open, owned by ``state`` and listed once. Raises nothing; the
+        decode path and :meth:`_check_slots` share it. O(n)."""
+        n = slots.size
+        if n > self._arange.size:  # more items than slots: some slot is bad or repeated
+            return False
+        if np.count_nonzero(self._owner_of.take(slots, mode="clip") != state.index):
+            return False
+        order = self._arange[:n]
+        scratch = self._slot_scratch
+        scratch[slots] = order  # a slot listed twice keeps one position
+        return not np.count_nonzero(scratch[slots] != order)
+
     def _check_slots(self, state: _Owner, slots: np.ndarray, what: str, released: np.ndarray | None = None) -> None:
         """Every slot open and owned by ``state``, no duplicates, none released in this
-        step. O(n)."""
-        n = slots.size
-        own = self._owner_of.take(slots, mode="clip")
-        if np.count_nonzero(own != state.index):
-            i = int(np.flatnonzero(own != state.index)[0])
-            raise KVMemError(
-                Reason.SLOT_NOT_FOUND,
-                f"{what}[{i}]: request slot {int(slots[i])} is not open in this session",
-                index=i,
-                slot=int(slots[i]),
-            )
-        # A list longer than the preallocated arange holds a duplicate (every slot is in
-        # [1, max_requests] by now); it still needs an index per item to report it.
-        order = self._arange[:n] if n <= self._arange.size else np.arange(n)
+        step; else the error naming the first bad item. O(n)."""
+        if not self._slots_ok(state, slots):
+            raise self._first_bad_slot(state, slots, what)
         scratch = self._slot_scratch
-        scratch[slots] = order
-        if np.count_nonzero(scratch[slots] != order):
-            i = int(np.flatnonzero(scratch[slots] != order)[0])
-            raise KVMemError(
-                Reason.DUPLICATE_SLOT, f"{what}[{i}]: request slot {int(slots[i])} appears twice", index=i,
-                slot=int(slots[i]),
-            )
         if released is not None and released.size:
             scratch[slots] = 0
             scratch[released] = 1
@@ -541,6 +535,28 @@ class KVCore:
                     index=i,
                     slot=int(slots[i]),
                 )
+
+    def _first_bad_slot(self, state: _Owner, slots: np.ndarray, what: str) -> KVMemError:
+        """The error for the first slot :meth:`_slots_ok` refused. O(n)."""
+        own = self._owner_of.take(slots, mode="clip")
+        if np.count_nonzero(own != state.index):
+            i = int(np.flatnonzero(own != state.index)[0])
+            return KVMemError(
+                Reason.SLOT_NOT_FOUND,
+                f"{what}[{i}]: request slot {int(slots[i])} is not open in this session",
+                index=i,
+                slot=int(slots[i]),
+            )
+        # Every slot is in [1, max_requests] now, so a list longer than the slot table
+        # holds a duplicate too; it needs a position per item to say which.
+        order = np.arange(slots.size)
+        scratch = self._slot_scratch
+        scratch[slots] = order
+        i = int(np.flatnonzero(scratch[slots] != order)[0])
+        return KVMemError(
+            Reason.DUPLICATE_SLOT, f"{what}[{i}]: request slot {int(slots[i])} appears twice", index=i,
+            slot=int(slots[i]),
+        )
 
     def _num_pages_for(self, tokens: np.ndarray) -> np.ndarray:
         return (tokens + (self._ps - 1)) // self._ps
@@ -699,14 +715,7 @@ class KVCore:
         goes to ``page * page_size + length % page_size`` of the page its row holds
         at column ``length // page_size``."""
         n = slots.size
-        if n > self._arange.size or np.count_nonzero(need != 1):
-            return None
-        if np.count_nonzero(self._owner_of.take(slots, mode="clip") != state.index):
-            return None
-        order = self._arange[:n]
-        scratch = self._slot_scratch
-        scratch[slots] = order
-        if np.count_nonzero(scratch[slots] != order):
+        if np.count_nonzero(need != 1) or not self._slots_ok(state, slots):
             return None
         cur = self._alloced[slots]
         if expected is not None:
