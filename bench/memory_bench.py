@@ -344,10 +344,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return render(header, lines)
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="memory_bench.py",
@@ -400,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     def say(*a: Any) -> None:
         print(f"[{time.monotonic() - t_start:5.1f}s]", *a, file=sys.stderr, flush=True)
 
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # so the servers are stopped on SIGTERM too
+    signal.signal(signal.SIGTERM, rb._raise_interrupt)  # so the servers are stopped on SIGTERM too
     import torch
 
     from kvmem.server.memory import parse_size
