@@ -315,6 +315,7 @@ class KVCore:
         self._ramp = _frozen(np.arange(n_slots + 1, dtype=np.int32))  # decode kv_loc offsets
         self._zeros32 = _frozen(np.zeros(n_slots + 1, dtype=np.int32))  # decode page offsets, no page taken
         self._zeros8 = _frozen(np.zeros(n_slots + 1, dtype=np.int8))  # decode status: all OK
+        self._ones_bytes = np.ones(n_slots + 1, dtype=np.int64).tobytes()  # decode needs, as bytes
         self._free_slots: list[int] = list(range(config.max_requests, 0, -1))
         self._owners: dict[str, _Owner] = {}
         self._next_owner_index = 1
@@ -729,14 +730,16 @@ class KVCore:
         goes to ``page * page_size + length % page_size`` of the page its row holds
         at column ``length // page_size``."""
         n = slots.size
-        if np.count_nonzero(need != 1) or not self._slots_ok(state, slots):
+        # Comparing bytes and reading the longest length (argmax) cost half of a
+        # comparison plus a count each.
+        if need.tobytes() != self._ones_bytes[: 8 * n] or not self._slots_ok(state, slots):
             return None
         cur = self._alloced[slots]
         if expected is not None:
             wrong = expected != cur
             if np.count_nonzero(wrong) and np.count_nonzero(expected[wrong] != _NO_EXPECTATION):
                 return None
-        if np.count_nonzero(cur >= self._ctx_limit):
+        if cur.item(cur.argmax()) >= self._ctx_limit:
             return None
         ps = self._ps
         if self._ps_shift is not None:  # a power of two: two cheap ufuncs beat divmod's one
