@@ -21,8 +21,11 @@ crosses a page boundary and takes a new page each step, as in a real decode batc
                 256 / N requests (the server's 256 request slots are shared by all
                 sessions), stepping 1 token per request for ``--duration`` seconds after a
                 barrier; against the same N processes calling the echo (sized like their
-                own step) for as long. Windows run in the order kvmem, echo, echo, kvmem
-                so drift hits both alike. Target: aggregate steps/s >= 0.7x echo calls/s.
+                own step) for as long. Windows run in blocks of kvmem, echo, echo, kvmem
+                (``--blocks`` of them, default 3), so that drift within a block hits both
+                alike; the ratio is the median over blocks of the block's ratio, so that
+                one block disturbed by a neighbour on a shared machine does not decide it.
+                Target: aggregate steps/s >= 0.7x echo calls/s.
 
 Scenarios 1 and 2 run interleaved with the garbage collector off: blocks of 32
 back-to-back repetitions of Step and echo (order alternating), each block opened by one
@@ -507,12 +510,12 @@ def scenario_latency(
 
 # ----------------------------------------------------------------------- scenario 3
 
-PHASES = ("kvmem", "echo", "echo", "kvmem")
+WINDOWS = ("kvmem", "echo", "echo", "kvmem")  # one block of throughput windows
 
 
 def _worker(
     idx: int, kv_target: str, echo_target: str, n: int, duration: float, truncate_every: int,
-    go: Any, barrier: Any, results: Any,
+    phases: tuple[str, ...], go: Any, barrier: Any, results: Any,
 ) -> None:  # fmt: skip
     """One client process: its own session of ``n`` requests and its own echo channel.
     It imports what it needs, reports, and waits for ``go`` (the parent times scenarios
@@ -540,7 +543,7 @@ def _worker(
         results.put(("ready", idx, {"request_bytes": req_bytes, "response_bytes": resp_bytes}))
         clock = time.perf_counter
         gc.disable()
-        for phase in PHASES:
+        for phase in phases:
             barrier.wait(timeout=120)
             count = 0
             c0 = time.process_time()
@@ -579,8 +582,11 @@ class Workers:
     the servers' start-up rather than anything timed. ``stop()`` terminates whichever
     are still alive (by their own Process objects) and is safe to call more than once."""
 
-    def __init__(self, servers: Servers, clients: int, duration: float, truncate_every: int, start_method: str) -> None:
+    def __init__(
+        self, servers: Servers, clients: int, duration: float, blocks: int, truncate_every: int, start_method: str
+    ) -> None:
         self.servers = servers
+        self.phases = WINDOWS * blocks
         self.clients = clients
         self.n = NUM_REQUESTS // clients
         self.duration = duration
@@ -597,7 +603,7 @@ class Workers:
             ctx.Process(
                 target=_worker,
                 args=(i, f"unix:{servers.kv_socket}", f"unix:{servers.echo_socket}", self.n, duration,
-                      truncate_every, self.go, self.barrier, self.results),
+                      truncate_every, self.phases, self.go, self.barrier, self.results),
                 daemon=True,
             )  # fmt: skip
             for i in range(clients)
@@ -647,7 +653,7 @@ def scenario_clients(workers: Workers, say: Callable[..., None]) -> dict[str, An
         check(msg[0] == "ready", f"unexpected message from a client process: {msg[:2]}")
         sizes[msg[1]] = msg[2]
     server_name = {"kvmem": "kvmem", "echo": "echo"}
-    for phase in PHASES:
+    for phase in workers.phases:
         workers.barrier.wait(timeout=60)
         cpu0 = workers.servers.cpu_s()
         got = [workers.get(duration + 60) for _ in range(clients)]
@@ -669,12 +675,23 @@ def scenario_clients(workers: Workers, say: Callable[..., None]) -> dict[str, An
         return statistics.mean(vals) if vals else None
 
     rates = {name: mean_of(name, "per_s") for name in ("kvmem", "echo")}
+    # Per block: mean kvmem rate / mean echo rate of its four windows (seconds apart);
+    # the median over blocks is the figure of record.
+    size = len(WINDOWS)
+    block_ratios = []
+    for b in range(0, len(per_phase), size):
+        block = per_phase[b : b + size]
+        kv = statistics.mean(w["per_s"] for w in block if w["phase"] == "kvmem")
+        echo = statistics.mean(w["per_s"] for w in block if w["phase"] == "echo")
+        block_ratios.append(kv / echo)
     return {
         "clients": clients,
         "start_method": workers.start_method,
         "requests_per_client": n,
         "duration_s_per_window": duration,
         "windows": per_phase,
+        "block_ratios": block_ratios,
+        "ratio": statistics.median(block_ratios),
         "kvmem_steps_per_s": rates["kvmem"],
         "kvmem_allocs_per_s": rates["kvmem"] * n,
         "echo_calls_per_s": rates["echo"],
@@ -754,7 +771,7 @@ def build_rows(lat: dict[str, Any], thr: dict[str, Any] | None, ref: Reference) 
     if thr is not None:
         row("clients_vs_echo", f"{thr['clients']} clients x {thr['requests_per_client']} req, aggregate",
             thr["kvmem_steps_per_s"], "echo calls/s, same processes", thr["echo_calls_per_s"],
-            thr["kvmem_steps_per_s"] / thr["echo_calls_per_s"], "per s")  # fmt: skip
+            thr["ratio"], "per s")  # fmt: skip
     else:
         row("clients_vs_echo", "N clients, aggregate", None, "echo calls/s", None, None, "per s",
             note="skipped: --duration 0")  # fmt: skip
@@ -809,9 +826,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ref-every", type=int, default=2, metavar="K",
                         help="time the reference 1 time per K round-trip repetitions (it is the slowest "
                         "contender) (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--duration", type=float, default=3.0, metavar="S",
-                        help="seconds per throughput window; 4 windows run (kvmem, echo, echo, kvmem); "
-                        "0 skips the throughput scenario (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--duration", type=float, default=2.0, metavar="S",
+                        help="seconds per throughput window; 0 skips the throughput scenario "
+                        "(default: %(default)s)")  # fmt: skip
+    parser.add_argument("--blocks", type=int, default=3, metavar="K",
+                        help="blocks of 4 throughput windows (kvmem, echo, echo, kvmem); the ratio is the "
+                        "median over blocks of each block's ratio (default: %(default)s)")  # fmt: skip
     parser.add_argument("--clients", type=int, default=8, metavar="N",
                         help=f"client processes in the throughput scenario; each session opens {NUM_REQUESTS}/N "
                         f"requests, since the server's {MAX_REQUESTS} request slots are shared "
@@ -833,8 +853,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the table, or into PATH with the table still printed")  # fmt: skip
     parser.add_argument("--strict", action="store_true", help="exit 1 if any target is missed")
     args = parser.parse_args(argv)
-    if args.reps < 1 or args.warmup < 0 or args.duration < 0 or args.truncate_every < 1 or args.ref_every < 1:
-        parser.error("--reps, --ref-every and --truncate-every must be >= 1, --warmup and --duration >= 0")
+    if (args.reps < 1 or args.warmup < 0 or args.duration < 0 or args.truncate_every < 1 or args.ref_every < 1
+            or args.blocks < 1):  # fmt: skip
+        parser.error("--reps, --ref-every, --truncate-every and --blocks must be >= 1, --warmup and --duration >= 0")
     if args.budget <= 0:
         parser.error("--budget must be > 0")
     if not 1 <= args.clients <= NUM_REQUESTS:
@@ -862,7 +883,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"starting the kvmem and echo servers under {servers.dir} ...")
         if args.duration > 0:
             say(f"spawning {args.clients} client processes ({NUM_REQUESTS // args.clients} requests each) ...")
-            workers = Workers(servers, args.clients, args.duration, args.truncate_every, args.start_method)
+            workers = Workers(servers, args.clients, args.duration, args.blocks, args.truncate_every,
+                              args.start_method)  # fmt: skip
         servers.start()
         if workers is not None:
             workers.wait_imported()  # nothing of theirs runs while scenarios 1-2 are timed
@@ -870,7 +892,8 @@ def main(argv: list[str] | None = None) -> int:
         lat = scenario_latency(servers, ref, args.reps, args.warmup, args.budget, args.ref_every,
                                args.truncate_every, say)  # fmt: skip
         if workers is not None:
-            say(f"scenario 3: {args.clients} clients vs {args.clients} echo callers, {args.duration:g} s windows")
+            say(f"scenario 3: {args.clients} clients vs {args.clients} echo callers, {args.blocks} blocks of 4 "
+                f"windows of {args.duration:g} s")  # fmt: skip
             thr = scenario_clients(workers, say)
         servers.check_alive()
     except BenchFailed as exc:
@@ -895,7 +918,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "kvmem rpc_bench",
         "statistic": "latency rows: medians (µs) of interleaved repetitions, ratio = median / median "
-        "(ratio_of_min uses minima); throughput row: mean over its windows of the summed per-process rates",
+        "(ratio_of_min uses minima); throughput row: rates are means over windows of the summed per-process "
+        "rates, the ratio the median over blocks (kvmem, echo, echo, kvmem) of the block's mean ratio",
         "config": {
             "page_size": PAGE_SIZE,
             "num_requests": NUM_REQUESTS,
@@ -961,6 +985,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"({MAX_REQUESTS} slots shared), Step request {thr['request_bytes']} B / response "
                 f"{thr['response_bytes']} B; windows of {thr['duration_s_per_window']:g} s: {wins}; "
                 f"{thr['kvmem_allocs_per_s']:,.0f} allocs/s"
+            )
+            print(
+                "  ratio per block (kvmem / echo): "
+                + ", ".join(f"{r:.2f}" for r in thr["block_ratios"])
+                + f"; median {thr['ratio']:.2f}"
             )
             scpu, ccpu = thr["server_cpu_us_per_call"], thr["client_cpu_us_per_call"]
             if None not in (scpu["kvmem"], scpu["echo"], ccpu["kvmem"], ccpu["echo"]):
