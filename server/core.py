@@ -324,7 +324,8 @@ class KVCore:
     # ----------------------------------------------------------------- owners
 
     def add_owner(self, owner: str, quota_pages: int | None = None) -> None:
-        """Register an owner (a session). O(1)."""
+        """Register an owner (a session). O(max_requests) numpy, once: the slot words
+        its slots will hold, which every slot check compares with."""
         if owner in self._owners:
             raise KVMemError(Reason.BAD_VALUE, f"owner {owner!r} already exists", owner=owner)
         if quota_pages is not None and (not isinstance(quota_pages, int) or quota_pages < 0):

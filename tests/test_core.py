@@ -967,6 +967,13 @@ INVALID_STEPS = [
     ("slot-huge", "a", dict(truncate_slots=[BIG], truncate_lens=[0]), Reason.SLOT_NOT_FOUND, [f"slot {BIG}"]),
     ("slot-negative", "a", dict(release_slots=[1, -1]), Reason.SLOT_NOT_FOUND, ["release_slots[1]", "slot -1"]),
     ("slot-very-negative", "a", dict(alloc_slots=[-BIG], alloc_needs=[1]), Reason.SLOT_NOT_FOUND, [f"slot {-BIG}"]),
+    # -5 and -4 index slots 1 and 2 (a's own) from the end of the 6-entry slot arrays
+    ("decode-negative-wraps-to-own", "a", dict(alloc_slots=[-5], alloc_needs=[1]), Reason.SLOT_NOT_FOUND,
+     ["alloc_slots[0]", "slot -5"]),
+    ("decode-negative-wraps-to-listed", "a", dict(alloc_slots=[2, -4], alloc_needs=[1, 1]), Reason.SLOT_NOT_FOUND,
+     ["alloc_slots[1]", "slot -4"]),
+    ("release-negative-wraps-to-own", "a", dict(release_slots=[-4]), Reason.SLOT_NOT_FOUND,
+     ["release_slots[0]", "slot -4"]),
     ("release-duplicate", "a", dict(release_slots=[1, 2, 1]), Reason.DUPLICATE_SLOT, ["slot 1", "twice"]),
     ("truncate-duplicate", "a", dict(truncate_slots=[2, 2], truncate_lens=[0, 0]), Reason.DUPLICATE_SLOT,
      ["truncate_slots", "slot 2", "twice"]),

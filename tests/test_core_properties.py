@@ -301,7 +301,9 @@ class CoreMachine(RuleBasedStateMachine):
         event(f"invalid decode: {kind}")
         i = data.draw(st.integers(0, len(al)), label="at")
         if kind == "bad_slot":
-            bad = theirs + closed + [0, self.cfg.max_requests + 1, -1, 2**40]
+            # -2 and -(max_requests + 1) wrap around to open slots in a plain numpy index
+            wrap = [-2, -(self.cfg.max_requests + 1)]
+            bad = theirs + closed + [0, self.cfg.max_requests + 1, -1, 2**40] + wrap
             al.insert(i, data.draw(st.sampled_from(bad), label="bad_slot"))
             expected.insert(i, -1)
             reason = Reason.SLOT_NOT_FOUND
@@ -338,7 +340,7 @@ class CoreMachine(RuleBasedStateMachine):
         max_req = self.cfg.max_requests
         theirs = [s for s, r in self.reqs.items() if r.owner != owner]
         closed = [s for s in range(1, max_req + 1) if s not in self.reqs]
-        bad_slots = theirs + closed + [0, max_req + 1, max_req + 2, -1, 2**40, -(2**40)]
+        bad_slots = theirs + closed + [0, max_req + 1, max_req + 2, -1, -2, -(max_req + 1), 2**40, -(2**40)]
         after_tr = dict(zip(tr, tr_len))
 
         kinds = ["unknown_owner", "bad_slot", "length_need", "length_tr", "length_expected"]
