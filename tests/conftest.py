@@ -1,14 +1,17 @@
-"""Shared fixtures: a real `kvmem serve` process on a temporary unix socket."""
+"""Shared fixtures: a real `kvmem serve` process on a temporary unix socket, and the
+line-protocol child processes the multi-process tests drive."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,6 +20,55 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 READINESS = "kvmem.v1.KVMemory"
+
+
+class LineProcess:
+    """A Python child process running ``code`` with ``args``, driven line by line: its
+    stdout (and stderr) lines arrive on a queue, and are kept for failure messages."""
+
+    def __init__(self, name: str, code: str, *args: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        )  # fmt: skip
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.transcript: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def expect(self, word: str, timeout: float = 60.0) -> str:
+        """The rest of the next line that starts with ``word``; other lines (warnings)
+        are kept for the failure message."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"{self.name}: no {word!r} within {timeout}s:\n" + "\n".join(self.transcript))
+            if line is None:
+                self.proc.wait()
+                raise AssertionError(
+                    f"{self.name} exited {self.proc.returncode} before {word!r}:\n" + "\n".join(self.transcript)
+                )
+            self.transcript.append(line[:1000])
+            if line == word or line.startswith(word + " "):
+                return line[len(word) + 1 :]
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @dataclasses.dataclass

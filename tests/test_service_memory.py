@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -44,7 +42,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import ServerProcess, start_server, wait_serving
+from conftest import LineProcess, ServerProcess, start_server, wait_serving
 
 from kvmem.client import KVMemClient
 from kvmem.server.memory import KVGeometry, format_size, pages_for_budget
@@ -139,58 +137,24 @@ for line in sys.stdin:
 """
 
 
-class Child:
-    """A client process running ``CHILD``."""
+class Child(LineProcess):
+    """A client process running ``CHILD``: one JSON op per line, one ``R`` reply each."""
 
     def __init__(self, name: str) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        )  # fmt: skip
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.transcript: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def _expect(self, prefix: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                raise AssertionError(f"{self.name}: no {prefix!r} within {timeout}s:\n" + "\n".join(self.transcript))
-            if line is None:
-                self.proc.wait()
-                raise AssertionError(f"{self.name} exited {self.proc.returncode}:\n" + "\n".join(self.transcript))
-            self.transcript.append(line[:300])
-            if line == prefix or line.startswith(prefix + " "):
-                return line[len(prefix) + 1 :]
+        super().__init__(name, CHILD)
 
     def call(self, op: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        reply = json.loads(self._expect("R", timeout))
+        self.send(json.dumps({"op": op, **args}))
+        reply = json.loads(self.expect("R", timeout))
         assert "error" not in reply, f"{self.name} {op}:\n{reply['error']}"
         return reply
 
     def ready(self) -> None:
-        self._expect("READY", 120.0)
+        self.expect("READY", 120.0)
 
     def finish(self) -> None:
         self.call("exit")
         assert self.proc.wait(timeout=30) == 0
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 # ------------------------------------------------------------------------ helpers

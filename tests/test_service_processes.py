@@ -16,18 +16,14 @@ request, lease 1500 ms.
 from __future__ import annotations
 
 import json
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
-from conftest import ServerProcess
+from conftest import LineProcess, ServerProcess
 
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
@@ -177,59 +173,18 @@ os._exit(0)  # detached and reported: skip the interpreter's slow teardown of to
 """
 
 
-class Child:
-    """A client process running ``CHILD``; stdout lines arrive on a queue."""
+class Child(LineProcess):
+    """A client process running ``CHILD`` in one of its modes."""
 
     def __init__(self, server: ServerProcess, mode: str, name: str, seed: int = 0, *args: str) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, server.target, mode, name, str(seed), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        )  # fmt: skip
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.transcript: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def expect(self, word: str, timeout: float = 60.0) -> str:
-        """The rest of the next line that starts with ``word``; other lines (warnings)
-        are kept for the failure message."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                raise AssertionError(f"{self.name}: no {word!r} within {timeout}s:\n" + "\n".join(self.transcript))
-            if line is None:
-                self.proc.wait()
-                raise AssertionError(
-                    f"{self.name} exited {self.proc.returncode} before {word!r}:\n" + "\n".join(self.transcript)
-                )
-            self.transcript.append(line)
-            if line == word or line.startswith(word + " "):
-                return line[len(word) + 1 :]
+        super().__init__(name, CHILD, server.target, mode, name, str(seed), *args)
 
     def expect_json(self, word: str, timeout: float = 60.0) -> Any:
         return json.loads(self.expect(word, timeout))
 
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
     def finish(self, timeout: float = 30.0) -> None:
         code = self.proc.wait(timeout=timeout)
         assert code == 0, f"{self.name} exited {code}:\n" + "\n".join(self.transcript)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture
