@@ -146,7 +146,9 @@ class PagePool:
         self._num_free = num_pages - 1
         self._stamp = self._word.view(np.int32)[1 - low :: 2]
         self._order = np.arange(1 << 16, dtype=np.int32)  # positions, for the stamps
-        self._expect = (self._order.astype(np.int64) << 32) | 1  # stamp i, count 1
+        # The words of pages held once and stamped 0, 1, 2, ...: as bytes, so that a
+        # check of n pages is one startswith (no comparison array, no slice copied).
+        self._expect_bytes = ((self._order.astype(np.int64) << 32) | 1).tobytes()
 
     @property
     def num_free(self) -> int:
@@ -170,10 +172,10 @@ class PagePool:
         number of pages freed.
 
         Cost O(P), three passes over the pages: each item's position is scattered into
-        its page's stamp, one gather reads count and stamp together, and one comparison
-        with ``position << 32 | 1`` proves at once that every page is held once and
-        listed once (a page listed twice keeps only one position); then one scatter
-        frees them. Shared pages (counts above 1) take a second look at the counts;
+        its page's stamp, one gather reads count and stamp together, and one byte
+        comparison with ``position << 32 | 1`` proves at once that every page is held
+        once and listed once (a page listed twice keeps only one position); then one
+        scatter frees them. Shared pages (counts above 1) take a second look at the counts;
         pages listed more than once are counted with a sort, O(P log P).
         """
         n = pages.size
@@ -190,17 +192,17 @@ class PagePool:
                 raise self._out_of_range(pages)
             idx = pages.astype(np.intp)
         if n <= self._order.size:
-            order, expect = self._order[:n], self._expect[:n]
+            order, expect = self._order[:n], self._expect_bytes
         else:
             order = np.arange(n, dtype=np.int32)
-            expect = (order.astype(np.int64) << 32) | 1
+            expect = ((order.astype(np.int64) << 32) | 1).tobytes()
         try:
             self._stamp[idx] = order  # scratch: changes no count
         except IndexError:
             raise self._out_of_range(pages) from None
         word = self._word
         got = word[idx]
-        if not np.count_nonzero(got != expect):  # held once, listed once: all become free
+        if expect.startswith(got.tobytes()):  # held once, listed once: all become free
             word[idx] = 0
             return self._push(pages)
         halves = got.view(np.int32)
@@ -253,7 +255,7 @@ class _Owner:
     index: int  # >= 1; written into KVCore._owner_of
     name: str
     quota_pages: int | None
-    slot_expect: np.ndarray  # int64 [n_slots]: the slot word of its slot listed at position i
+    slot_expect: bytes  # int64 [n_slots] as bytes: the slot word of its slot listed at position i
     num_pages_held: int = 0
     request_slots: dict[str, int] = dataclasses.field(default_factory=dict)
     num_requests: int = 0
@@ -291,8 +293,13 @@ class KVCore:
             raise ValueError(
                 f"block_table must be int32 {shape}, got {block_table.dtype} {block_table.shape}"
             )
+        if not block_table.flags.c_contiguous:
+            raise ValueError("block_table must be C-contiguous (its rows are addressed by flat position)")
         block_table[...] = 0
         self.block_table = block_table
+        self._bt_flat = block_table.reshape(-1)  # a view: entry (row, col) is row * width + col
+        self._width = shape[1]
+        self._heads: list[tuple[np.ndarray, np.ndarray] | None] = [None] * (shape[1] + 1)
         self.pool = PagePool(config.num_pages)
         self._ps = config.page_size
         ps = config.page_size
@@ -332,7 +339,7 @@ class KVCore:
             raise KVMemError(Reason.BAD_VALUE, f"quota_pages must be >= 0, got {quota_pages!r}")
         index = self._next_owner_index
         expect = (np.int64(index) << 32) | self._slot_order  # slot word: owner, stamp i
-        self._owners[owner] = _Owner(index, owner, quota_pages, _frozen(expect))
+        self._owners[owner] = _Owner(index, owner, quota_pages, expect.tobytes())
         self._next_owner_index += 1
 
     def remove_owner(self, owner: str) -> int:
@@ -530,8 +537,8 @@ class KVCore:
             self._slot_stamp[slots] = self._slot_order[:n]
         except IndexError:  # beyond the sentinel
             return False
-        # Comparing the bytes costs half of a comparison plus a count at these sizes.
-        return self._slot_word.take(slots, mode="clip").tobytes() == state.slot_expect[:n].tobytes()
+        # A prefix test of the bytes: no comparison array, no slice of the expectation.
+        return state.slot_expect.startswith(self._slot_word.take(slots, mode="clip").tobytes())
 
     def _check_slots(self, state: _Owner, slots: np.ndarray, what: str, released: np.ndarray | None = None) -> None:
         """Every slot open and owned by ``state``, no duplicates, none released in this
@@ -583,10 +590,11 @@ class KVCore:
         if not np.count_nonzero(counts):
             return 0
         item, cols = _segments(keep, counts)
-        rows = slots[item]
-        pages = self.block_table[rows, cols]
+        pos = slots[item] * self._width + cols
+        flat = self._bt_flat
+        pages = flat.take(pos)
         self.pool.unref(pages)
-        self.block_table[rows, cols] = 0
+        flat[pos] = 0
         return int(pages.size)
 
     def _drop_rows(self, slots: np.ndarray, alloced: np.ndarray) -> int:
@@ -600,15 +608,27 @@ class KVCore:
             return 0
         ps = self._ps
         width = -(-longest // ps)
-        bt = self.block_table
-        rows = bt[:, :width].take(slots, axis=0)  # a quarter cheaper than bt[slots, :width]
-        if alloced.item(alloced.argmin()) > (width - 1) * ps:  # every row holds exactly `width` pages
-            pages = rows.reshape(-1)
-        else:
-            pages = rows[self._col[:width] < self._num_pages_for(alloced)[:, None]]
+        heads, zero = self._row_heads(width)
+        pages = heads[slots].view(np.int32)  # the rows' first `width` entries, row after row
+        if alloced.item(alloced.argmin()) <= (width - 1) * ps:  # some row holds fewer pages
+            pages = pages.reshape(-1, width)[self._col[:width] < self._num_pages_for(alloced)[:, None]]
         self.pool.unref(pages)
-        bt[slots, :width] = 0
+        heads[slots] = zero
         return int(pages.size)
+
+    def _row_heads(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The block table's rows cut to their first ``width`` entries, as a 1-D array
+        of ``4 * width``-byte items over the same memory, and a zero item. Gathering or
+        zeroing n rows' heads is then a 1-D fancy index, one copy per row: a half to a
+        third of the 2-D index's cost, most of all for few rows. Built once per width
+        (the constructor alone costs about a gather of 256 rows)."""
+        cached = self._heads[width]
+        if cached is None:
+            bt = self.block_table
+            item = np.dtype((np.void, 4 * width))
+            view = np.ndarray((bt.shape[0],), dtype=item, buffer=bt, strides=(bt.strides[0],))
+            cached = self._heads[width] = (view, np.zeros((), dtype=item))
+        return cached
 
     def _release(self, state: _Owner, slots: np.ndarray) -> int:
         """End requests: drop their pages, zero their rows, free their slots."""
@@ -688,15 +708,18 @@ class KVCore:
             total = int(cnt.sum())
 
         # Take pages and write them into the rows (columns have .. have+cnt-1).
-        pages = self.pool.take(total)
         bt = self.block_table
         if total:
             if total == np.count_nonzero(cnt):  # at most one new page per item (decode)
                 mask = cnt > 0
-                bt[slots[mask], have[mask]] = pages
+                where = slots[mask] * self._width + have[mask]
             else:
                 item, cols = _segments(have, cnt)
-                bt[slots[item], cols] = pages
+                where = slots[item] * self._width + cols
+            pages = self.pool.take(total)
+            self._bt_flat[where] = pages  # 1-D: cheaper than bt[rows, cols] = pages
+        else:
+            pages = self.pool.take(0)
         self._alloced[slots] = end
         state.num_pages_held += total
 
@@ -733,7 +756,7 @@ class KVCore:
         n = slots.size
         # Comparing bytes and reading the longest length (argmax) cost half of a
         # comparison plus a count each.
-        if need.tobytes() != self._ones_bytes[: 8 * n] or not self._slots_ok(state, slots):
+        if not self._ones_bytes.startswith(need.tobytes()) or not self._slots_ok(state, slots):
             return None
         cur = self._alloced[slots]
         if expected is not None:
@@ -753,12 +776,14 @@ class KVCore:
         quota = state.quota_pages
         if total > self.pool.num_free or (quota is not None and total > quota - state.num_pages_held):
             return None
-        bt = self.block_table
-        page = bt[slots, col]  # int32: the page each token lands in (0 where a new one goes)
+        pos = slots * self._width + col  # flat block-table entries: 1-D indexing is cheaper
+        flat = self._bt_flat
+        page = flat.take(pos)  # int32: the page each token lands in (0 where a new one goes)
         if total:
+            new_pos = pos[grow]
             pages = self.pool.take(total)
             page[grow] = pages
-            bt[slots, col] = page
+            flat[new_pos] = pages
             page_off = np.zeros(n + 1, dtype=np.int32)
             np.add.accumulate(grow, dtype=np.int32, out=page_off[1:])  # half np.cumsum's cost
             state.num_pages_held += total
