@@ -202,7 +202,7 @@ class PagePool:
             raise self._out_of_range(pages) from None
         word = self._word
         got = word[idx]
-        if expect.startswith(got.tobytes()):  # held once, listed once: all become free
+        if expect.startswith(got):  # held once, listed once: all become free (got: its buffer, no copy)
             word[idx] = 0
             return self._push(pages)
         halves = got.view(np.int32)
@@ -537,8 +537,9 @@ class KVCore:
             self._slot_stamp[slots] = self._slot_order[:n]
         except IndexError:  # beyond the sentinel
             return False
-        # A prefix test of the bytes: no comparison array, no slice of the expectation.
-        return state.slot_expect.startswith(self._slot_word.take(slots, mode="clip").tobytes())
+        # A prefix test of the bytes (the gathered array's buffer; no comparison array,
+        # no slice of the expectation, no copy).
+        return state.slot_expect.startswith(self._slot_word.take(slots, mode="clip"))
 
     def _check_slots(self, state: _Owner, slots: np.ndarray, what: str, released: np.ndarray | None = None) -> None:
         """Every slot open and owned by ``state``, no duplicates, none released in this
