@@ -35,7 +35,9 @@ RequestSlot = NewType("RequestSlot", int)
 OwnerId = NewType("OwnerId", str)
 
 _INT32_MAX = 2**31 - 1
+_INT32 = np.dtype(np.int32)  # a dtype instance: a view to it skips resolving the type
 _NO_EXPECTATION = -1  # alloc_expected_lens value meaning "no expectation for this item"
+_NO_ITEMS: tuple[int, ...] = ()  # the default of step's lists
 
 
 class AllocStatus(enum.IntEnum):
@@ -407,11 +409,11 @@ class KVCore:
         self,
         owner: str,
         *,
-        release_slots: Sequence[int] | np.ndarray = (),
-        truncate_slots: Sequence[int] | np.ndarray = (),
-        truncate_lens: Sequence[int] | np.ndarray = (),
-        alloc_slots: Sequence[int] | np.ndarray = (),
-        alloc_needs: Sequence[int] | np.ndarray = (),
+        release_slots: Sequence[int] | np.ndarray = _NO_ITEMS,
+        truncate_slots: Sequence[int] | np.ndarray = _NO_ITEMS,
+        truncate_lens: Sequence[int] | np.ndarray = _NO_ITEMS,
+        alloc_slots: Sequence[int] | np.ndarray = _NO_ITEMS,
+        alloc_needs: Sequence[int] | np.ndarray = _NO_ITEMS,
         alloc_expected_lens: Sequence[int] | np.ndarray | None = None,
         atomic: bool = False,
     ) -> StepResult:
@@ -610,7 +612,7 @@ class KVCore:
         ps = self._ps
         width = -(-longest // ps)
         heads, zero = self._row_heads(width)
-        pages = heads[slots].view(np.int32)  # the rows' first `width` entries, row after row
+        pages = heads[slots].view(_INT32)  # the rows' first `width` entries, row after row
         if alloced.item(alloced.argmin()) <= (width - 1) * ps:  # some row holds fewer pages
             pages = pages.reshape(-1, width)[self._col[:width] < self._num_pages_for(alloced)[:, None]]
         self.pool.unref(pages)
@@ -931,6 +933,8 @@ _ZERO_OFFSETS = _frozen(np.zeros(1, dtype=np.int32))
 
 def _index_array(values: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
     """An int64 1-D array from a sequence or array of integers, or INVALID_ARGUMENT."""
+    if values is _NO_ITEMS:  # an argument left out: the common case of a one-kind step
+        return _EMPTY
     if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
         return values
     if isinstance(values, (tuple, list)) and not values:
