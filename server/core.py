@@ -602,8 +602,9 @@ class KVCore:
 
     def _drop_rows(self, slots: np.ndarray, alloced: np.ndarray) -> int:
         """Unreference every page of each slot's row (``alloced`` tokens long) and zero
-        the rows: one 2-D slice of the first ``max`` page columns instead of a per-page
-        gather. O(n * max pages per row)."""
+        the rows: one gather of each row's first ``width`` entries (``width`` pages for
+        the longest row) instead of a per-page gather, and one zeroing of the same.
+        O(n * width)."""
         if not alloced.size:
             return 0
         longest = alloced.item(alloced.argmax())  # argmax: a third of max()'s fixed cost
