@@ -17,7 +17,7 @@ def snapshot(core: KVCore) -> dict:
         "free_stack": pool._free[: pool.num_free].copy(),
         "alloced": core._alloced.copy(),
         "owner_of": core._owner_of.copy(),
-        "free_slots": list(core._free_slots),
+        "free_slots": core._free_slots[: core._num_free_slots].tolist(),
         "owners": {
             name: (o.quota_pages, o.num_pages_held, o.num_requests, dict(o.request_slots))
             for name, o in core._owners.items()
