@@ -626,8 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help=(
             "timed repetitions of each contender in each scenario, after the warm-up "
-            "(default: %(default)s; prefill, release and the cold decode row, whose "
-            "repetitions take milliseconds, use max(10, N/2)). About 15-30 s at 100."
+            "(default: %(default)s, in rounds of 5: the ratio is the median of N/5 "
+            "in-round ratios). About 20-40 s at 100."
         ),
     )
     parser.add_argument(
@@ -711,14 +711,17 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("KVMEM_DEBUG", "") not in ("", "0"):
         say("NOTE: KVMEM_DEBUG is set; the benchmark turns the per-step audit off on its cores.")
 
-    heavy_repeat = max(10, args.repeat // 2)
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
     try:
         for key, fn in (
-            ("decode", lambda: scenario_decode(ref, args.repeat, args.warmup, heavy_repeat)),
-            ("prefill", lambda: scenario_prefill(ref, heavy_repeat, min(args.warmup, 3))),
-            ("release", lambda: scenario_release(ref, heavy_repeat, min(args.warmup, 3))),
+            # Every scenario takes N repetitions. The in-round ratios of the millisecond
+            # scenarios spread widely on a shared machine (release: 18x to 48x within a
+            # run); with 10 rounds the release ratio ranged 22-30x over runs of the same
+            # code, with 20 rounds 26-27x.
+            ("decode", lambda: scenario_decode(ref, args.repeat, args.warmup, args.repeat)),
+            ("prefill", lambda: scenario_prefill(ref, args.repeat, min(args.warmup, 3))),
+            ("release", lambda: scenario_release(ref, args.repeat, min(args.warmup, 3))),
             ("pool", lambda: scenario_pool(args.repeat, args.warmup)),
         ):
             t = time.perf_counter()
@@ -749,7 +752,6 @@ def main(argv: list[str] | None = None) -> int:
             "compare_pool_pages": COMPARE_POOL_PAGES,
             "pool_pages": [SMALL_POOL_PAGES, LARGE_POOL_PAGES],
             "repeat": args.repeat,
-            "repeat_prefill_release": heavy_repeat,
             "clock": f"{args.clock} ({'thread CPU time' if args.clock == 'cpu' else 'elapsed wall time'})",
             "warmup": args.warmup,
         },
@@ -778,8 +780,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{info['cpus_usable']}/{info['cpu_count']} cpus, torch threads {info['torch_threads']}"
         )
         print(
-            f"{'CPU' if args.clock == 'cpu' else 'wall'} µs: median of {args.repeat} reps "
-            f"({heavy_repeat} for prefill, release, cold); ratio: median over rounds of the in-round ratio "
+            f"{'CPU' if args.clock == 'cpu' else 'wall'} µs: median of {args.repeat} reps; "
+            f"ratio: median over rounds of the in-round ratio "
             f"(a round: each contender {ROUND_WARMUP} untimed + {ROUND} timed reps in turn)"
         )
         print()
