@@ -1,0 +1,62 @@
+"""The benchmarks still run, end to end, and their correctness checks pass.
+
+A few repetitions each, as real processes (the RPC benchmark starts its own servers
+and client processes). No figure is asserted: speed is measured by running the
+benchmarks themselves (README, "Performance"), never by a timed test. What these
+tests hold is that a benchmark cannot rot unnoticed: each one checks its results
+(kv_loc against its own block table and the reference allocator's, pages given back
+exactly once, audits) and exits 2 when a check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
+
+
+def run_bench(script: str, *args: str, timeout: float) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.timeout(180)
+def test_core_bench_runs_and_checks_hold() -> None:
+    report = run_bench("core_bench.py", "--repeat", "5", "--warmup", "1", timeout=170)
+    rows = {r["scenario"]: r for r in report["scenarios"]}
+    assert set(rows) == {"decode", "decode_cold", "prefill", "release", "pool"}
+    for key in ("decode", "prefill", "release", "pool"):
+        assert rows[key]["result"] in ("PASS", "MISS", "SKIP"), rows[key]
+    if report["reference"]["available"]:  # CI has ../shared; then the results were compared too
+        for key in ("decode", "prefill", "release"):
+            assert rows[key]["ratio"] > 0, rows[key]
+            assert "reference" in rows[key]["checked"], rows[key]
+
+
+@pytest.mark.timeout(240)
+def test_rpc_bench_runs_and_checks_hold() -> None:
+    report = run_bench(
+        "rpc_bench.py",
+        *("--reps", "20", "--warmup", "2", "--budget", "1"),
+        *("--duration", "0.3", "--blocks", "1", "--clients", "2"),
+        timeout=230,
+    )
+    rows = {r["scenario"]: r for r in report["scenarios"]}
+    assert {"step_vs_echo", "clients_vs_echo"} <= set(rows)
+    for row in rows.values():
+        assert row["result"] in ("PASS", "MISS", "SKIP"), row
+    assert rows["clients_vs_echo"]["ratio"] > 0
