@@ -717,8 +717,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, fn in (
             # Every scenario takes N repetitions. The in-round ratios of the millisecond
             # scenarios spread widely on a shared machine (release: 18x to 48x within a
-            # run); with 10 rounds the release ratio ranged 22-30x over runs of the same
-            # code, with 20 rounds 26-27x.
+            # run); four runs of the same code gave a release ratio of 21.8-28.9x with
+            # 10 rounds, 25.6-26.8x with 20.
             ("decode", lambda: scenario_decode(ref, args.repeat, args.warmup, args.repeat)),
             ("prefill", lambda: scenario_prefill(ref, args.repeat, min(args.warmup, 3))),
             ("release", lambda: scenario_release(ref, args.repeat, min(args.warmup, 3))),
