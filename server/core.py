@@ -922,6 +922,11 @@ class KVCore:
             problems.append(f"slots owned by unknown owner indices {sorted(unknown)}")
         if self._num_free_slots + int(np.count_nonzero(owned)) != cfg.max_requests:
             problems.append("free request slots + open request slots != max_requests")
+        free_slots = self._free_slots[: self._num_free_slots]
+        if free_slots.size and (int(free_slots.min()) < 1 or int(free_slots.max()) > cfg.max_requests):
+            problems.append("free request slot stack holds slots outside [1, max_requests]")
+        elif np.count_nonzero(self._owner_of[free_slots]) or np.unique(free_slots).size != free_slots.size:
+            problems.append("free request slot stack holds open or repeated slots")
         return AuditReport(not problems, tuple(problems), pool.num_free, num_cached, num_used)
 
     def _maybe_audit(self) -> None:

@@ -1097,3 +1097,61 @@ def test_alloced_len_of_a_slot_not_open_here(make_core, slot) -> None:
     err = raises(Reason.SLOT_NOT_FOUND, core.alloced_len, "a", slot)
     assert f"slot {slot}" in str(err)
     assert str(err) == f"request slot {slot} is not open in this session"
+
+
+# --------------------------------------------------------------------- audit
+
+
+def _corrupt_free_stack_twice(core: KVCore) -> None:
+    free = core.pool._free
+    free[core.pool.num_free - 1] = free[core.pool.num_free - 2]
+
+
+def _corrupt_ref_cnt(core: KVCore) -> None:
+    core.pool.ref_cnt[int(core.block_table[1, 0])] = 2
+
+
+def _corrupt_row_tail(core: KVCore) -> None:
+    core.block_table[1, 3] = int(core.pool._free[0])
+
+
+def _corrupt_slot_stack_repeat(core: KVCore) -> None:
+    core._free_slots[1] = core._free_slots[0]
+
+
+def _corrupt_slot_stack_open(core: KVCore) -> None:
+    core._free_slots[0] = 1  # slot 1 is open
+
+
+def _corrupt_slot_stack_range(core: KVCore) -> None:
+    core._free_slots[0] = 0
+
+
+def _corrupt_owner_count(core: KVCore) -> None:
+    core._owners["a"].num_pages_held += 1
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "problem"),
+    [
+        (_corrupt_free_stack_twice, "pages in the free stack twice"),
+        (_corrupt_ref_cnt, "ref_cnt differs from block-table references"),
+        (_corrupt_row_tail, "non-zero block-table entries past a request's pages in rows [1]"),
+        (_corrupt_slot_stack_repeat, "free request slot stack holds open or repeated slots"),
+        (_corrupt_slot_stack_open, "free request slot stack holds open or repeated slots"),
+        (_corrupt_slot_stack_range, "free request slot stack holds slots outside [1, max_requests]"),
+        (_corrupt_owner_count, "owner 'a' holds 4 pages by its count, 3 by its rows"),
+    ],
+)
+def test_audit_names_each_broken_invariant(corrupt, problem) -> None:
+    core = KVCore(CoreConfig(9, PS, 4, 16))
+    core.debug = False  # the corruption is made by hand; the audit is what is under test
+    core.add_owner("a")
+    slots = core.open("a", ["r1", "r2"])
+    assert statuses(alloc(core, "a", slots, [9, 2])) == [OK, OK]  # 3 + 1 pages
+    core.step("a", release_slots=[2])  # slot 2 back on the free stack
+    assert core.audit().ok, core.audit().problems
+    corrupt(core)
+    report = core.audit()
+    assert not report.ok
+    assert any(problem in p for p in report.problems), report.problems
