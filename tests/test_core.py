@@ -165,7 +165,13 @@ def test_given_block_table_is_zeroed_and_written_in_place(make_core) -> None:
 
 
 @pytest.mark.parametrize(
-    "bt", [np.zeros((5, 4), dtype=np.int64), np.zeros((4, 4), dtype=np.int32), np.zeros((5, 5), dtype=np.int32)]
+    "bt",
+    [
+        np.zeros((5, 4), dtype=np.int64),
+        np.zeros((4, 4), dtype=np.int32),
+        np.zeros((5, 5), dtype=np.int32),
+        np.zeros((5, 8), dtype=np.int32)[:, ::2],  # right shape, not contiguous
+    ],
 )
 def test_block_table_of_wrong_shape_or_dtype_is_refused(bt) -> None:
     with pytest.raises(ValueError, match="block_table"):
