@@ -33,6 +33,7 @@ from kvmem.server.memory import (
     parse_size,
 )
 from kvmem.server.engine import Engine
+from kvmem.server.metrics import MetricsServer, build_registry
 from kvmem.server.tuning import keep_freed_memory
 from kvmem.server.service import KVMemoryService, geometry_to_proto, handle_to_proto
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
@@ -51,6 +52,7 @@ class StartupError(Exception):
 class ServerConfig:
     socket_path: str | None = "/tmp/kvmem.sock"
     tcp: str | None = None  # "HOST:PORT"
+    metrics: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
     auth_token: str | None = None
     lease_s: float = 10.0
     shutdown_grace_s: float = 5.0
@@ -144,11 +146,15 @@ def _check_socket_path(path: str) -> None:
         probe.close()
 
 
-def _check_tcp(address: str, auth_token: str | None) -> None:
+def _host_port(option: str, address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise StartupError(f"--tcp must be HOST:PORT, got {address!r}")
-    host = host.strip("[]")
+    if not sep or not port.isdigit() or not host or int(port) > 65535:
+        raise StartupError(f"{option} must be HOST:PORT (port 0-65535), got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _check_tcp(address: str, auth_token: str | None) -> None:
+    host, _ = _host_port("--tcp", address)
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -172,6 +178,7 @@ class KVMemServer:
         self.memory: MemoryBackend | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        self.metrics_server: MetricsServer | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -183,10 +190,13 @@ class KVMemServer:
             _check_socket_path(cfg.socket_path)
         if cfg.tcp is not None:
             _check_tcp(cfg.tcp, cfg.auth_token)
+        metrics_at = None if cfg.metrics is None else _host_port("--metrics", cfg.metrics)
         core_cfg, self.memory, kv_geometry = build_pool(cfg)
         try:
-            await self._start_grpc(core_cfg, kv_geometry)
+            await self._start_grpc(core_cfg, kv_geometry, metrics_at)
         except BaseException:
+            if self.metrics_server is not None:
+                await self.metrics_server.stop()
             if self.memory is not None:
                 self.memory.close()
             raise
@@ -204,7 +214,9 @@ class KVMemServer:
             self.engine.epoch,
         )  # fmt: skip
 
-    async def _start_grpc(self, core_cfg: CoreConfig, kv_geometry: KVGeometry) -> None:
+    async def _start_grpc(
+        self, core_cfg: CoreConfig, kv_geometry: KVGeometry, metrics_at: tuple[str, int] | None
+    ) -> None:
         cfg = self.config
         server = grpc.aio.server(
             options=[
@@ -227,6 +239,8 @@ class KVMemServer:
         backend_name = "none" if self.memory is None else self.memory.name
         self.service = KVMemoryService(self.engine, geometry, handles, backend_name, cfg.auth_token)
         kvmem_pb2_grpc.add_KVMemoryServicer_to_server(self.service, server)
+        if metrics_at is not None:  # before gRPC listens: a port in use stops the start cleanly
+            await self._start_metrics(*metrics_at)
 
         if cfg.socket_path is not None:
             old_umask = os.umask(0o177)  # the socket is born 0600
@@ -249,6 +263,17 @@ class KVMemServer:
         self.grpc_server = server
         self._reaper = asyncio.create_task(self._reap_leases())
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _start_metrics(self, host: str, port: int) -> None:
+        assert self.engine is not None and self.service is not None
+        registry = build_registry(self.engine, self.service.rpc_stats, self.service.memory_backend)
+        server = MetricsServer(registry)
+        try:
+            await server.start(host, port)
+        except OSError as exc:
+            raise StartupError(f"--metrics {self.config.metrics}: cannot listen ({exc})") from None
+        self.metrics_server = server
+        log.info("metrics on http://%s:%d/metrics", host if ":" not in host else f"[{host}]", server.port)
 
     async def _reap_leases(self) -> None:
         assert self.engine is not None
@@ -275,6 +300,8 @@ class KVMemServer:
         await self.grpc_server.stop(self.config.shutdown_grace_s)
         for session_id in list(self.engine.sessions):
             self.engine.end_session(session_id, "server shutdown")
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         if self.memory is not None:
             self.memory.close()  # shm: the files are removed; cuda: the memory is released
         if self.config.socket_path is not None:

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(listen, "--socket", DEFAULT_SOCKET, "unix socket path to listen on; 'none' to disable")
     _add(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)")
     _add(listen, "--auth-token", None, "bearer token TCP clients must send (required beyond loopback)")
+    _add(listen, "--metrics", None, "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 0.0.0.0:9400; "
+         "port 0 picks a free one and logs it); no authentication, so pick the interface")
     pool = serve.add_argument_group("pool geometry")
     _add(pool, "--page-size", 16, "tokens per page", int)
     _add(pool, "--num-pages", 4096, "pages in the pool, including the padding page 0", int)
@@ -113,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         socket_path=socket_path,
         tcp=args.tcp,
+        metrics=args.metrics,
         auth_token=args.auth_token,
         lease_s=args.lease_ms / 1000,
         shutdown_grace_s=args.shutdown_grace_ms / 1000,

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvmem.server.core import CoreConfig, KVCore, PoolStats, StepResult, AuditReport
+from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PoolStats, StepResult, AuditReport
 from kvmem.server.errors import KVMemError, Reason
 
 log = logging.getLogger("kvmem.engine")
@@ -71,7 +71,12 @@ class Engine:
         self.sessions: dict[str, Session] = {}
         self._next_index = 1
         self._started = time.monotonic()
+        # Totals since start, for metrics: integer additions on the hot path.
         self.num_steps = 0
+        self.num_pages_allocated = 0
+        self.num_pages_released = 0
+        self.alloc_items = [0] * len(AllocStatus)  # by AllocStatus value
+        self.sessions_ended: dict[str, int] = {}  # by why
         self.accepting = True  # False once shutdown starts: no new sessions
 
     # ---------------------------------------------------------------- sessions
@@ -116,6 +121,7 @@ class Engine:
         rows = self._open_rows(session_id)
         released = self.core.remove_owner(session_id)
         self._sync(rows)
+        self.sessions_ended[why] = self.sessions_ended.get(why, 0) + 1
         log.info("session ended name=%s index=%d why=%s requests_released=%d", session.name, session.index, why, released)
         return released
 
@@ -156,6 +162,15 @@ class Engine:
             atomic=atomic,
         )
         self.num_steps += 1
+        self.num_pages_allocated += result.new_pages.size
+        self.num_pages_released += result.num_pages_released
+        status = result.alloc_status
+        if status.size:
+            refused = int(np.count_nonzero(status))
+            self.alloc_items[AllocStatus.OK] += status.size - refused
+            if refused:
+                for value, n in enumerate(np.bincount(status, minlength=len(AllocStatus)).tolist()[1:], 1):
+                    self.alloc_items[value] += n
         if self._sync_memory is not None:
             # Rows that changed: released and truncated ones, and allocs that took pages
             # (a decode step mostly fills tails: few rows change).
@@ -166,8 +181,8 @@ class Engine:
         return result
 
     def stats(self, audit: bool) -> EngineStats:
-        usage = {o.owner: o for o in self.core.stats().owners}
         pool = self.core.stats()
+        usage = {o.owner: o for o in pool.owners}
         rows = tuple(
             (s, usage[sid].num_requests, usage[sid].num_pages_held) for sid, s in self.sessions.items()
         )

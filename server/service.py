@@ -27,6 +27,7 @@ from kvmem.server.core import CoreConfig
 from kvmem.server.engine import Engine
 from kvmem.server.memory import HandleInfo, KVGeometry
 from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
+from kvmem.server.metrics import RpcStats
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 log = logging.getLogger("kvmem.service")
@@ -95,18 +96,27 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
 def _unary(method: F) -> F:
-    """Run a unary handler; turn a KVMemError (and an auth failure) into its status."""
+    """Run a unary handler; turn a KVMemError (and an auth failure) into its status;
+    count the call by its code and time the handler (:class:`RpcStats`)."""
+    name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: "KVMemoryService", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        code, reason = "OK", None
         try:
             self._check_auth(context)
             return method(self, request, context)
-        except CorruptionError as err:
-            log.error("corruption detected in %s: %s", method.__name__, err.message)
-            await context.abort_with_status(_to_status(err))
         except KVMemError as err:
+            code, reason = _STATUS_CODE[err.kind].name, err.reason.name
+            if isinstance(err, CorruptionError):
+                log.error("corruption detected in %s: %s", name, err.message)
             await context.abort_with_status(_to_status(err))
+        except Exception:
+            code = grpc.StatusCode.UNKNOWN.name  # what gRPC answers for an unexpected exception
+            raise
+        finally:
+            self.rpc_stats.record(name, code, reason, time.perf_counter() - started)
 
     return wrapper  # type: ignore[return-value]
 
@@ -152,6 +162,7 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         self._auth = None if auth_token is None else f"Bearer {auth_token}"
         self.keepalive_tasks: set[asyncio.Task[Any]] = set()
         self.stopping = asyncio.Event()
+        self.rpc_stats = RpcStats()
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         """With a token set, every call that does not come over the unix socket must

@@ -28,6 +28,7 @@ SERVE_OPTIONS = {
     "--socket": "/tmp/kvmem.sock",
     "--tcp": "none",
     "--auth-token": "none",
+    "--metrics": "none",
     "--page-size": "16",
     "--num-pages": "4096",
     "--max-requests": "256",
@@ -217,6 +218,8 @@ def free_tcp_port() -> int:
         (["--socket", "none"], ["--socket", "--tcp"]),  # nothing to listen on
         (["--socket", "none", "--tcp", "0.0.0.0:{port}"], ["0.0.0.0", "--auth-token"]),  # beyond loopback, no token
         (["--tcp", "localhost"], ["--tcp", "HOST:PORT", "localhost"]),
+        (["--metrics", "9400"], ["--metrics", "HOST:PORT", "9400"]),
+        (["--metrics", "127.0.0.1:99999"], ["--metrics", "127.0.0.1:99999"]),
     ],
 )
 def test_serve_refuses_bad_options_naming_them(tmpdir_short: str, args: list[str], named: list[str]) -> None:
