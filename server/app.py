@@ -33,7 +33,7 @@ from kvmem.server.memory import (
     parse_size,
 )
 from kvmem.server.engine import Engine
-from kvmem.server.metrics import MetricsServer, build_registry
+from kvmem.server.metrics import MetricsServer, RpcStats, build_registry
 from kvmem.server.tuning import keep_freed_memory
 from kvmem.server.service import KVMemoryService, geometry_to_proto, handle_to_proto
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
@@ -266,6 +266,7 @@ class KVMemServer:
 
     async def _start_metrics(self, host: str, port: int) -> None:
         assert self.engine is not None and self.service is not None
+        self.service.rpc_stats = RpcStats()
         registry = build_registry(self.engine, self.service.rpc_stats, self.service.memory_backend)
         server = MetricsServer(registry)
         try:

@@ -96,13 +96,16 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
 def _unary(method: F) -> F:
-    """Run a unary handler; turn a KVMemError (and an auth failure) into its status;
-    count the call by its code and time the handler (:class:`RpcStats`)."""
+    """Run a unary handler; turn a KVMemError (and an auth failure) into its status.
+    With metrics on (``rpc_stats`` set), count the call by its code and time the
+    handler; off, the call pays two ``is None`` tests for it (the timing costs ~2% of a
+    256-item Step's round trip, measured)."""
     name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: "KVMemoryService", request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started = time.perf_counter()
+        stats = self.rpc_stats
+        started = 0.0 if stats is None else time.perf_counter()
         code, reason = "OK", None
         try:
             self._check_auth(context)
@@ -116,7 +119,8 @@ def _unary(method: F) -> F:
             code = grpc.StatusCode.UNKNOWN.name  # what gRPC answers for an unexpected exception
             raise
         finally:
-            self.rpc_stats.record(name, code, reason, time.perf_counter() - started)
+            if stats is not None:
+                stats.record(name, code, reason, time.perf_counter() - started)
 
     return wrapper  # type: ignore[return-value]
 
@@ -162,7 +166,7 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         self._auth = None if auth_token is None else f"Bearer {auth_token}"
         self.keepalive_tasks: set[asyncio.Task[Any]] = set()
         self.stopping = asyncio.Event()
-        self.rpc_stats = RpcStats()
+        self.rpc_stats: RpcStats | None = None  # set by the server when it serves metrics
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         """With a token set, every call that does not come over the unix socket must
