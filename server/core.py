@@ -93,6 +93,7 @@ class StepResult:
     new_pages: np.ndarray  # int32 [P]
     new_page_offsets: np.ndarray  # int32 [n + 1]
     num_pages_released: int  # pages dropped by releases and truncates (refs removed)
+    num_refused: int = 0  # alloc items whose status is not OK
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -685,6 +686,7 @@ class KVCore:
         have = self._num_pages_for(cur)
         cnt = self._num_pages_for(end) - have
         status = np.zeros(n, dtype=np.int8)
+        refused = 0
         total = int(cnt.sum())
         quota_left = None if state.quota_pages is None else state.quota_pages - state.num_pages_held
         too_long = end > cfg.max_context_len
@@ -716,6 +718,7 @@ class KVCore:
             if atomic and not ok.all():
                 status[ok] = AllocStatus.ABORTED
                 ok[:] = False
+            refused = n - int(np.count_nonzero(ok))
             cnt = np.where(ok, cnt, 0)
             need = np.where(ok, need, 0)
             end = np.where(ok, end, cur)
@@ -750,7 +753,7 @@ class KVCore:
         kv_off[1:] = np.cumsum(need)  # cumsum into an int32 slice is several times slower
         page_off = np.zeros(n + 1, dtype=np.int32)
         page_off[1:] = np.cumsum(cnt)
-        return StepResult(status, kv_loc, kv_off, pages, page_off, 0)
+        return StepResult(status, kv_loc, kv_off, pages, page_off, 0, refused)
 
     def _decode(
         self, state: _Owner, slots: np.ndarray, need: np.ndarray, expected: np.ndarray | None

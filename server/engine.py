@@ -164,13 +164,11 @@ class Engine:
         self.num_steps += 1
         self.num_pages_allocated += result.new_pages.size
         self.num_pages_released += result.num_pages_released
-        status = result.alloc_status
-        if status.size:
-            refused = int(np.count_nonzero(status))
-            self.alloc_items[AllocStatus.OK] += status.size - refused
-            if refused:
-                for value, n in enumerate(np.bincount(status, minlength=len(AllocStatus)).tolist()[1:], 1):
-                    self.alloc_items[value] += n
+        refused = result.num_refused
+        self.alloc_items[AllocStatus.OK] += result.alloc_status.size - refused
+        if refused:  # the core counted them: no array operation for metrics on a step that fits
+            for value, n in enumerate(np.bincount(result.alloc_status, minlength=len(AllocStatus)).tolist()[1:], 1):
+                self.alloc_items[value] += n
         if self._sync_memory is not None:
             # Rows that changed: released and truncated ones, and allocs that took pages
             # (a decode step mostly fills tails: few rows change).

@@ -247,6 +247,7 @@ class CoreMachine(RuleBasedStateMachine):
         assert res.kv_loc_offsets.shape == (n_items + 1,) and res.new_page_offsets.shape == (n_items + 1,)
         assert res.kv_loc_offsets[-1] == res.kv_loc.size and res.new_page_offsets[-1] == res.new_pages.size
         assert [AllocStatus(int(x)) for x in res.alloc_status] == want
+        assert res.num_refused == sum(w is not AllocStatus.OK for w in want)
         for w in set(want):
             event(f"alloc status {w.name}")
 
