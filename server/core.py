@@ -358,6 +358,10 @@ class KVCore:
         self._maybe_audit()
         return int(slots.size)
 
+    def pages_held(self, owner: str) -> int:
+        """Pages the owner's open requests hold (references). O(1)."""
+        return self._owner(owner).num_pages_held
+
     def has_owner(self, owner: str) -> bool:
         return owner in self._owners
 

@@ -119,6 +119,7 @@ class Engine:
         if session is None:
             return 0
         rows = self._open_rows(session_id)
+        self.num_pages_released += self.core.pages_held(session_id)
         released = self.core.remove_owner(session_id)
         self._sync(rows)
         self.sessions_ended[why] = self.sessions_ended.get(why, 0) + 1

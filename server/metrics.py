@@ -132,7 +132,9 @@ class KVMemCollector(Collector):
         yield CounterMetricFamily("kvmem_steps", "Steps applied (valid Step calls).", stats.num_steps)
         yield CounterMetricFamily("kvmem_pages_allocated", "Pages handed out by steps.", engine.num_pages_allocated)
         yield CounterMetricFamily(
-            "kvmem_pages_released", "References dropped by releases and truncates.", engine.num_pages_released
+            "kvmem_pages_released",
+            "References dropped: by steps' releases and truncates, and by sessions that ended.",
+            engine.num_pages_released,
         )
         items = CounterMetricFamily("kvmem_alloc_items", "Alloc items of steps, by per-item status.", labels=["status"])
         for status in AllocStatus:

@@ -112,10 +112,11 @@ def test_scrape_agrees_with_the_calls_and_with_stats(metrics_server) -> None:
         assert 0 < value(m, "kvmem_rpc_handler_seconds_sum", method="Step") < 5
         assert value(m, "process_cpu_seconds_total") > 0
 
-    m = scrape(url)  # the client detached on leaving the block
+    m = scrape(url)  # the client detached on leaving the block, releasing a's 3 pages
     assert value(m, "kvmem_sessions") == 0
     assert value(m, "kvmem_sessions_ended_total", why="detached") == 1
     assert value(m, "kvmem_pages", state="used") == 0
+    assert value(m, "kvmem_pages_released_total") == value(m, "kvmem_pages_allocated_total") == 5
     assert value(m, "kvmem_rpc_calls_total", method="Stats", code="OK") == 1
 
 
