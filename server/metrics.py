@@ -46,6 +46,7 @@ HANDLER_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3
 
 # The classic text format, which every Prometheus version reads (generate_latest writes it).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TEXT = "text/plain; charset=utf-8"  # the error answers
 _MAX_REQUEST_HEAD = 8192  # bytes of request line and headers a scrape may send
 _READ_TIMEOUT_S = 10.0
 
@@ -203,24 +204,18 @@ class MetricsServer:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
                 return
-            request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
-            parts = request_line.split(" ")
+            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            method, path = (parts[0], parts[1].split("?", 1)[0]) if len(parts) == 3 else ("", "")
             if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-                status, body, ctype = "400 Bad Request", b"bad request line\n", "text/plain; charset=utf-8"
+                status, body, ctype = "400 Bad Request", b"bad request line\n", _TEXT
+            elif path != "/metrics":
+                status, body, ctype = "404 Not Found", b"kvmem serves GET /metrics only\n", _TEXT
+            elif method not in ("GET", "HEAD"):
+                status, body, ctype = "405 Method Not Allowed", b"use GET /metrics\n", _TEXT
             else:
-                method, target, _ = parts
-                path = target.split("?", 1)[0]
-                if path != "/metrics":
-                    status, body, ctype = "404 Not Found", b"kvmem serves GET /metrics only\n", "text/plain; charset=utf-8"
-                elif method not in ("GET", "HEAD"):
-                    status, body, ctype = "405 Method Not Allowed", b"use GET /metrics\n", "text/plain; charset=utf-8"
-                else:
-                    status, body, ctype = "200 OK", generate_latest(self.registry), CONTENT_TYPE
-                    if method == "HEAD":
-                        writer.write(_head(status, ctype, len(body)))
-                        await writer.drain()
-                        return
-            writer.write(_head(status, ctype, len(body)) + body)
+                status, body, ctype = "200 OK", generate_latest(self.registry), CONTENT_TYPE
+            # HEAD: the headers a GET would have, without the body.
+            writer.write(_head(status, ctype, len(body)) + (b"" if method == "HEAD" else body))
             await writer.drain()
         except ConnectionError:
             pass
