@@ -63,7 +63,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _reference import Reference, default_reference_path, load_reference  # noqa: E402
 from _table import render  # noqa: E402
 
-from kvmem.server.core import CoreConfig, KVCore  # noqa: E402
+from kvmem.server.core import CoreConfig, KVCore, StepBatch  # noqa: E402
 from kvmem.server.tuning import keep_freed_memory  # noqa: E402
 
 PAGE_SIZE = 16
@@ -75,7 +75,7 @@ RELEASE_LEN = 512
 COMPARE_POOL_PAGES = 16384  # kvmem vs reference (prefill/release hold 8,192 pages)
 SMALL_POOL_PAGES = 4096
 LARGE_POOL_PAGES = 1 << 20
-OWNER = "bench"
+OWNER = 1  # the first owner a core mints
 
 TARGETS = {
     # key: (comparison, value, meaning)
@@ -213,12 +213,11 @@ def summary(times_us: list[float]) -> dict[str, float]:
 
 def kv_core(num_pages: int, lens: np.ndarray | None) -> tuple[KVCore, np.ndarray]:
     """A core with NUM_REQUESTS open requests (slots 1..256, in order) holding ``lens``."""
-    core = KVCore(CoreConfig(num_pages, PAGE_SIZE, NUM_REQUESTS, MAX_CONTEXT_LEN))
-    core.debug = False  # KVMEM_DEBUG would audit every step (O(pool)): not what we time
-    core.add_owner(OWNER)
+    core = KVCore(CoreConfig(num_pages, PAGE_SIZE, NUM_REQUESTS, MAX_CONTEXT_LEN))  # no per-step audit
+    assert core.add_owner() == OWNER
     slots = core.open(OWNER, [f"req-{i}" for i in range(NUM_REQUESTS)]).astype(np.int64)
     if lens is not None and lens.any():
-        res = core.step(OWNER, alloc_slots=slots, alloc_needs=lens)
+        res = core.step(OWNER, StepBatch(alloc_slots=slots, alloc_needs=lens))
         check(bool((res.alloc_status == 0).all()), "kvmem setup alloc failed")
     return core, slots
 
@@ -292,11 +291,11 @@ def kv_decode_contender(name: str, num_pages: int) -> tuple[Contender, KVCore]:
     core, slots = kv_core(num_pages, lens)
 
     def run() -> Any:
-        return core.step(OWNER, alloc_slots=slots, alloc_needs=ones)
+        return core.step(OWNER, StepBatch(alloc_slots=slots, alloc_needs=ones))
 
     def after(res: Any) -> None:
         check(res.kv_loc.size == NUM_REQUESTS, f"{name}: kv_loc size")
-        core.step(OWNER, truncate_slots=slots, truncate_lens=lens)
+        core.step(OWNER, StepBatch(truncate_slots=slots, truncate_lens=lens))
 
     return Contender(name, run, after), core
 
@@ -305,7 +304,7 @@ def scenario_decode(ref: Reference, repeat: int, warmup: int, cold_repeat: int) 
     lens, ones, crossers = decode_state()
     # Check once on fresh state.
     core, slots = kv_core(COMPARE_POOL_PAGES, lens)
-    res = core.step(OWNER, alloc_slots=slots, alloc_needs=ones)
+    res = core.step(OWNER, StepBatch(alloc_slots=slots, alloc_needs=ones))
     check_kv_loc(core, res, slots, lens, ones, "decode")
     check(res.new_pages.size == len(crossers), "decode: kvmem took the wrong number of pages")
     checked = "kv_loc vs own block table, distinct, audit"
@@ -356,7 +355,7 @@ def scenario_prefill(ref: Reference, repeat: int, warmup: int) -> dict[str, Any]
     zeros = np.zeros(NUM_REQUESTS, dtype=np.int64)
     need = np.full(NUM_REQUESTS, PREFILL_LEN, dtype=np.int64)
     core, slots = kv_core(COMPARE_POOL_PAGES, None)
-    res = core.step(OWNER, alloc_slots=slots, alloc_needs=need)
+    res = core.step(OWNER, StepBatch(alloc_slots=slots, alloc_needs=need))
     check_kv_loc(core, res, slots, zeros, need, "prefill")
     checked = "kv_loc vs own block table, distinct, audit"
     if ref.available:
@@ -369,11 +368,11 @@ def scenario_prefill(ref: Reference, repeat: int, warmup: int) -> dict[str, Any]
     total = NUM_REQUESTS * PREFILL_LEN
 
     def kv_run() -> Any:
-        return core.step(OWNER, alloc_slots=slots, alloc_needs=need)
+        return core.step(OWNER, StepBatch(alloc_slots=slots, alloc_needs=need))
 
     def kv_after(res: Any) -> None:
         check(res.kv_loc.size == total, "prefill: kvmem kv_loc size")
-        core.step(OWNER, truncate_slots=slots, truncate_lens=zeros)
+        core.step(OWNER, StepBatch(truncate_slots=slots, truncate_lens=zeros))
 
     contenders = [Contender("kvmem", kv_run, kv_after)]
     if ref.available:
@@ -406,7 +405,7 @@ def scenario_release(ref: Reference, repeat: int, warmup: int) -> dict[str, Any]
 
     core, slots = kv_core(COMPARE_POOL_PAGES, lens)
     taken = np.sort(core.block_table[slots, : RELEASE_LEN // PAGE_SIZE].ravel())
-    res = core.step(OWNER, release_slots=slots)
+    res = core.step(OWNER, StepBatch(release_slots=slots))
     check(res.num_pages_released == held, f"release: kvmem released {res.num_pages_released} pages, want {held}")
     check(core.pool.num_free == COMPARE_POOL_PAGES - 1, "release: kvmem pool not full again")
     check(
@@ -434,12 +433,12 @@ def scenario_release(ref: Reference, repeat: int, warmup: int) -> dict[str, Any]
     state = {"slots": slots0}
 
     def kv_run() -> Any:
-        return core.step(OWNER, release_slots=state["slots"])
+        return core.step(OWNER, StepBatch(release_slots=state["slots"]))
 
     def kv_after(res: Any) -> None:
         check(res.num_pages_released == held, "release: kvmem pages released")
         slots = core.open(OWNER, ids).astype(np.int64)
-        core.step(OWNER, alloc_slots=slots, alloc_needs=lens)
+        core.step(OWNER, StepBatch(alloc_slots=slots, alloc_needs=lens))
         state["slots"] = slots
 
     contenders = [Contender("kvmem", kv_run, kv_after)]
@@ -470,13 +469,13 @@ def scenario_pool(repeat: int, warmup: int) -> dict[str, Any]:
     small, small_core = kv_decode_contender("kvmem 4K pool", SMALL_POOL_PAGES)
     large, large_core = kv_decode_contender("kvmem 1M pool", LARGE_POOL_PAGES)
     slots = np.arange(1, NUM_REQUESTS + 1, dtype=np.int64)
-    a = small_core.step(OWNER, alloc_slots=slots, alloc_needs=ones)
-    b = large_core.step(OWNER, alloc_slots=slots, alloc_needs=ones)
+    a = small_core.step(OWNER, StepBatch(alloc_slots=slots, alloc_needs=ones))
+    b = large_core.step(OWNER, StepBatch(alloc_slots=slots, alloc_needs=ones))
     check_kv_loc(small_core, a, slots, lens, ones, "pool 4K")
     check_kv_loc(large_core, b, slots, lens, ones, "pool 1M")
     check(np.array_equal(a.kv_loc, b.kv_loc), "pool: 4K and 1M pools gave different kv_loc")
-    small_core.step(OWNER, truncate_slots=slots, truncate_lens=lens)
-    large_core.step(OWNER, truncate_slots=slots, truncate_lens=lens)
+    small_core.step(OWNER, StepBatch(truncate_slots=slots, truncate_lens=lens))
+    large_core.step(OWNER, StepBatch(truncate_slots=slots, truncate_lens=lens))
     measure([large, small], repeat, warmup)
     check(small_core.audit().ok and large_core.audit().ok, "pool: kvmem audit after timing")
     return {"contenders": [large, small], "checked": "same kv_loc from both pools, kv_loc vs block table, audit"}
@@ -708,8 +707,6 @@ def main(argv: list[str] | None = None) -> int:
     ref = load_reference(args.reference)
     if not ref.available:
         say(f"NOTE: {ref.note}; reference comparisons are skipped (pass --reference PATH).")
-    if os.environ.get("KVMEM_DEBUG", "") not in ("", "0"):
-        say("NOTE: KVMEM_DEBUG is set; the benchmark turns the per-step audit off on its cores.")
 
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}

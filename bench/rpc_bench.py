@@ -239,7 +239,7 @@ def echo_callable(target: str) -> tuple[Any, Callable[[bytes], bytes]]:
     unary call on it made the way the kvmem client makes its calls."""
     import grpc
 
-    from kvmem.client.sync import CHANNEL_OPTIONS
+    from kvmem.client.channel import CHANNEL_OPTIONS
 
     channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
     rpc = channel.unary_unary(ECHO_METHOD, _registered_method=True)  # no (de)serialiser: bytes
@@ -253,10 +253,12 @@ def echo_callable(target: str) -> tuple[Any, Callable[[bytes], bytes]]:
 def step_sizes(client: Any, res: Any, alloc_slots: Any, alloc_needs: Any) -> tuple[int, int]:
     """Serialised sizes of the StepRequest the client sends for this step and of the
     StepResponse it got (rebuilt exactly from the result's views)."""
-    from kvmem.client import _common as common
+    from kvmem.client.step import as_ints
     from kvmem.v1 import kvmem_pb2
 
-    req = common.step_request(client.session_id, alloc_slots=alloc_slots, alloc_needs=alloc_needs)
+    req = kvmem_pb2.StepRequest(
+        session_id=client.session_id, alloc_slots=as_ints(alloc_slots), alloc_needs=as_ints(alloc_needs)
+    )
     resp = kvmem_pb2.StepResponse(
         epoch=client.epoch,
         alloc_status=res.status.numpy().tobytes(),

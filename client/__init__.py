@@ -6,8 +6,10 @@
         result = kv.alloc(slots, [512, 300])          # one round trip
         kv_loc = result.kv_loc_of(0)                  # torch.int32 token slots
 
-``AsyncKVMemClient`` offers the same methods for asyncio. Errors are the classes in
-``kvmem.client.errors``; sync and asyncio raise the same ones.
+``AsyncKVMemClient`` offers the same methods for asyncio (both are
+``kvmem.client.session``'s logic, one blocking, one awaited). Errors are the classes in
+``kvmem.client.errors``, their ``reason`` the proto's ErrorReason; sync and asyncio
+raise the same ones.
 """
 
 import importlib
@@ -16,8 +18,8 @@ from typing import Any
 # Names resolve on first use (PEP 562), so `kvmem stats` and `kvmem health` do not pay
 # for importing torch; `from kvmem.client import KVMemClient` works as usual.
 _WHERE = {
-    "AllocStatus": "kvmem.client._common",
-    "StepResult": "kvmem.client._common",
+    "AllocStatus": "kvmem.client.step",
+    "StepResult": "kvmem.client.step",
     "AsyncKVMemClient": "kvmem.client.aio",
     "KVMemClient": "kvmem.client.sync",
     "stats": "kvmem.client.admin",
@@ -25,7 +27,7 @@ _WHERE = {
     **{
         name: "kvmem.client.errors"
         for name in (
-            "FailedPrecondition", "InvalidArgument", "KVMemError", "NoFreeRequestSlot", "NotFound",
+            "FailedPrecondition", "InvalidArgument", "KVMemError", "NoFreeRequestSlot", "NotFound", "Reason",
             "SessionLost", "Unauthenticated", "Unavailable",
         )
     },
@@ -55,6 +57,7 @@ __all__ = [
     "MappedMemory",
     "NoFreeRequestSlot",
     "NotFound",
+    "Reason",
     "SessionLost",
     "StepResult",
     "Unauthenticated",

@@ -1,164 +1,98 @@
-"""The asyncio client: the same methods as :class:`~kvmem.client.sync.KVMemClient`,
-awaitable, with the keep-alive as a task on the caller's loop."""
+"""The asyncio client: the methods of :class:`~kvmem.client.sync.KVMemClient`,
+awaitable, with the keep-alive as a task on the caller's loop.
+
+Every method and all the session logic are :class:`~kvmem.client.session.ClientBase`'s
+and :class:`~kvmem.client.session.Session`'s; this module awaits the calls.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
-import torch
 
-from kvmem.client import _common as common
-from kvmem.client._common import IntsLike, StepResult
-from kvmem.client.admin import CHANNEL_OPTIONS, auth_metadata, normalize_target
-from kvmem.client.errors import KVMemError, SessionLost, from_rpc_error
-from kvmem.client.memory import MemoryViews
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
+from .channel import CHANNEL_OPTIONS
+from .errors import KVMemError
+from .session import Awaiting, Call, ClientBase, Session
+
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
-class AsyncKVMemClient(MemoryViews):
+class AsyncKVMemClient(ClientBase[Awaiting]):
     """A session with a kvmem server, for asyncio schedulers.
 
     ``client = await AsyncKVMemClient.connect(target, name=...)`` or
-    ``async with AsyncKVMemClient(target, name=...) as client:``.
+    ``async with AsyncKVMemClient(target, name=...) as client:``; the constructor takes
+    the arguments of :class:`~kvmem.client.sync.KVMemClient`'s and attaches nothing.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        name: str = "",
-        quota_pages: int | None = None,
-        timeout: float = 10.0,
-        auth_token: str | None = None,
-        keepalive: bool = True,
-    ) -> None:
-        self.target = normalize_target(target)
-        self.timeout = timeout
-        self._name = name
-        self._quota_pages = quota_pages
-        self._keepalive_enabled = keepalive
-        self._metadata = auth_metadata(auth_token)
+    _stub: kvmem_pb2_grpc.KVMemoryStub  # set by attach(): no call is built before it
+
+    def _setup(self) -> None:
         self._channel: grpc.aio.Channel | None = None
-        self._stub: kvmem_pb2_grpc.KVMemoryStub | None = None
-        self._broken: KVMemError | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
-        self.session_id = ""
-        self.epoch = ""
-        self.lease_ms = 0
-        self.geometry = kvmem_pb2.PoolGeometry()
-        self.memory_handles: list[kvmem_pb2.MemoryHandle] = []
 
     @classmethod
-    async def connect(cls, target: str, **kwargs: Any) -> "AsyncKVMemClient":
+    async def connect(cls, target: str, **kwargs: Any) -> AsyncKVMemClient:
         client = cls(target, **kwargs)
         await client.attach()
         return client
 
     async def attach(self) -> None:
+        """Open the channel and attach; the keep-alive task starts on this loop."""
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = kvmem_pb2_grpc.KVMemoryStub(self._channel)
         try:
-            resp = await self._call(
-                self._stub.Attach, common.attach_request(self._name, self._quota_pages), None, check=False
-            )
+            await self._perform(self._session.attach())
         except BaseException:
             await self._channel.close()
             self._channel = None
             raise
-        self.session_id = resp.session_id
-        self.epoch = resp.epoch
-        self.lease_ms = resp.lease_ms
-        self.geometry = resp.geometry
-        self.memory_handles = list(resp.memory)
-        if self._keepalive_enabled:
+        if self._session.keepalive:
             self._keepalive_task = asyncio.create_task(self._keepalive(), name="kvmem-keepalive")
 
-    async def _call(self, rpc: Callable[..., Awaitable[T]], request: Any, timeout: float | None, check: bool = True) -> T:
-        if self._broken is not None:
-            raise self._broken
+    async def _invoke(
+        self, build: Callable[Concatenate[Session, P], Call[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        return await self._perform(build(self._session, *args, **kwargs))
+
+    async def _perform(self, call: Call[T]) -> T:
+        rpc = getattr(self._stub, call.method)
         try:
-            resp = await rpc(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
+            response = await rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
         except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        if check:
-            common.check_epoch(self.epoch, resp.epoch)  # type: ignore[attr-defined]
-        return resp
-
-    @property
-    def _s(self) -> kvmem_pb2_grpc.KVMemoryStub:
-        if self._stub is None:
-            raise RuntimeError("not attached: use `await AsyncKVMemClient.connect(...)` or `async with`")
-        return self._stub
-
-    async def open(self, request_ids: list[str], *, timeout: float | None = None) -> torch.Tensor:
-        resp = await self._call(
-            self._s.Open, kvmem_pb2.OpenRequest(session_id=self.session_id, request_ids=request_ids), timeout
-        )
-        return torch.tensor(list(resp.slots), dtype=torch.int32)
-
-    async def step(
-        self,
-        *,
-        release_slots: IntsLike = (),
-        truncate_slots: IntsLike = (),
-        truncate_lens: IntsLike = (),
-        alloc_slots: IntsLike = (),
-        alloc_needs: IntsLike = (),
-        alloc_expected_lens: IntsLike | None = None,
-        atomic: bool = False,
-        timeout: float | None = None,
-    ) -> StepResult:
-        request = common.step_request(
-            self.session_id, release_slots, truncate_slots, truncate_lens, alloc_slots, alloc_needs,
-            alloc_expected_lens, atomic,
-        )  # fmt: skip
-        return common.step_result(await self._call(self._s.Step, request, timeout))
-
-    async def alloc(
-        self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *, atomic: bool = False,
-        timeout: float | None = None,
-    ) -> StepResult:  # fmt: skip
-        return await self.step(alloc_slots=slots, alloc_needs=needs, alloc_expected_lens=expected_lens,
-                               atomic=atomic, timeout=timeout)  # fmt: skip
-
-    async def truncate(self, slots: IntsLike, new_lens: IntsLike, *, timeout: float | None = None) -> StepResult:
-        return await self.step(truncate_slots=slots, truncate_lens=new_lens, timeout=timeout)
-
-    async def release(self, slots: IntsLike, *, timeout: float | None = None) -> StepResult:
-        return await self.step(release_slots=slots, timeout=timeout)
-
-    async def stats(self, *, audit: bool = False, timeout: float | None = None) -> kvmem_pb2.StatsResponse:
-        return await self._call(self._s.Stats, kvmem_pb2.StatsRequest(audit=audit), timeout)
-
-    async def detach(self, *, timeout: float | None = None) -> int:
-        try:
-            resp = await self._call(self._s.Detach, kvmem_pb2.DetachRequest(session_id=self.session_id), timeout)
+            raise self._session.failed(err) from None
         finally:
-            await self._stop_keepalive()
-            self._broken = SessionLost(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_SESSION", "this session was detached")
-        return resp.num_requests_released
+            if call.ends_session:
+                await self._stop_keepalive()
+        return self._session.finish(call, response)
 
     async def close(self) -> None:
-        if self._channel is None:
-            return
+        """Detach (if still attached) and close the channel. Idempotent."""
+        detach = self._session.close()
         try:
-            if self._broken is None:
-                await self.detach(timeout=min(self.timeout, 2.0))
+            if detach is not None:
+                await self._perform(detach)
         except KVMemError:
-            pass
+            pass  # the session is gone either way
         finally:
-            await self._stop_keepalive()
-            self._unmap()
-            await self._channel.close()
-            self._channel = None
+            await self._shutdown()
 
-    async def __aenter__(self) -> "AsyncKVMemClient":
+    async def _shutdown(self) -> None:
+        await self._stop_keepalive()
+        self._unmap()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> AsyncKVMemClient:
         if self._channel is None:
             await self.attach()
         return self
@@ -167,35 +101,29 @@ class AsyncKVMemClient(MemoryViews):
         await self.close()
 
     async def _keepalive(self) -> None:
-        interval = max(self.lease_ms / 3000, 0.01)
+        first, later = self._session.keepalive_requests()
+        interval = self._session.keepalive_interval
 
         async def requests() -> AsyncIterator[kvmem_pb2.KeepAliveRequest]:
-            yield kvmem_pb2.KeepAliveRequest(session_id=self.session_id)
+            yield first
             while True:
                 try:
                     await asyncio.wait_for(self._closing.wait(), interval)
                     return
-                except asyncio.TimeoutError:
-                    yield kvmem_pb2.KeepAliveRequest()
+                except TimeoutError:
+                    yield later
 
-        call = self._s.KeepAlive(requests(), metadata=self._metadata)
+        call = self._stub.KeepAlive(requests(), metadata=self._session.metadata)
         try:
             async for _ in call:
                 pass
         except grpc.RpcError as err:
-            if not self._closing.is_set():
-                broken = from_rpc_error(err)
-                self._broken = broken if isinstance(broken, SessionLost) else SessionLost(
-                    err.code(), "KEEPALIVE_BROKEN", f"the keep-alive stream broke: {broken.message}"
-                )  # fmt: skip
+            self._session.keepalive_ended(err)
         except asyncio.CancelledError:
             call.cancel()
             raise
         else:
-            if not self._closing.is_set():
-                self._broken = SessionLost(
-                    grpc.StatusCode.UNAVAILABLE, "KEEPALIVE_BROKEN", "the server ended the keep-alive stream"
-                )
+            self._session.keepalive_ended(None)
 
     async def _stop_keepalive(self) -> None:
         self._closing.set()

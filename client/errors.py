@@ -2,26 +2,60 @@
 
 The server sends each failure's reason as a ``google.rpc.ErrorInfo`` detail (domain
 ``kvmem.v1``); :func:`from_rpc_error` reads it, so "no free request slot" is told apart
-from gRPC's own RESOURCE_EXHAUSTED (e.g. a message too large).
+from gRPC's own RESOURCE_EXHAUSTED (e.g. a message too large). The reasons are the
+proto's closed ``kvmem.v1.ErrorReason`` (:class:`Reason`); the client invents none.
 """
 
 from __future__ import annotations
 
+import enum
+
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from kvmem.v1 import kvmem_pb2
 
 ERROR_DOMAIN = "kvmem.v1"
+_REASON_PREFIX = "ERROR_REASON_"
+
+_REASON_NAMES = [name.removeprefix(_REASON_PREFIX) for name, _number in kvmem_pb2.ErrorReason.items()]
+Reason = enum.StrEnum("Reason", [(name, name) for name in _REASON_NAMES])  # type: ignore[misc]
+Reason.__doc__ = """Why a call failed: the proto's ErrorReason without its prefix. A ``str``
+whose value is the name the server sends (``Reason.SLOT_NOT_FOUND == "SLOT_NOT_FOUND"``);
+UNSPECIFIED when the failure came from gRPC itself, the client, or a server newer than
+this client (the server's string is then in ``KVMemError.raw_reason``)."""
+_UNSPECIFIED: Reason = Reason["UNSPECIFIED"]
+
+
+def parse_reason(raw: str) -> Reason:
+    """The :class:`Reason` a server's ``ErrorInfo.reason`` names; UNSPECIFIED for one
+    the proto does not list."""
+    try:
+        return Reason(raw)
+    except ValueError:
+        return _UNSPECIFIED
 
 
 class KVMemError(Exception):
-    """A kvmem call failed. ``code`` is the gRPC status code, ``reason`` kvmem's reason
-    (e.g. ``"SLOT_NOT_FOUND"``; empty when the failure came from gRPC itself),
-    ``metadata`` the offending values the server named."""
+    """A kvmem call failed. ``code`` is the gRPC status code, ``reason`` kvmem's
+    :class:`Reason` (UNSPECIFIED when the failure came from gRPC itself),
+    ``raw_reason`` the string the server sent (empty if none), ``metadata`` the offending
+    values the server named."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str, metadata: dict[str, str] | None = None):
-        super().__init__(f"{code.name}{f' ({reason})' if reason else ''}: {message}")
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        reason: Reason | str,
+        message: str,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        raw = "" if reason is _UNSPECIFIED else str(reason)
+        super().__init__(f"{code.name}{f' ({raw})' if raw else ''}: {message}")
         self.code = code
-        self.reason = reason
+        self.reason = parse_reason(raw)
+        self.raw_reason = raw
         self.message = message
         self.metadata = dict(metadata or {})
 
@@ -62,40 +96,34 @@ _BY_CODE: dict[grpc.StatusCode, type[KVMemError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
 }
-_BY_REASON: dict[str, type[KVMemError]] = {
-    "UNKNOWN_SESSION": SessionLost,
-    "NO_FREE_REQUEST_SLOT": NoFreeRequestSlot,
+_BY_REASON: dict[Reason, type[KVMemError]] = {
+    Reason["UNKNOWN_SESSION"]: SessionLost,
+    Reason["NO_FREE_REQUEST_SLOT"]: NoFreeRequestSlot,
 }
 
 
 def from_rpc_error(err: grpc.RpcError) -> KVMemError:
-    """The domain exception for a failed call (sync or asyncio)."""
-    code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
-    message: str = err.details() or ""  # type: ignore[attr-defined]
-    reason = ""
-    metadata: dict[str, str] = {}
-    for detail in _status_details(err):
+    """The domain exception for a failed call (sync ``RpcError`` or asyncio
+    ``AioRpcError``: both are calls whose ``code()``, ``details()`` and
+    ``trailing_metadata()`` answer at once)."""
+    code: grpc.StatusCode = err.code()
+    message: str = err.details() or ""
+    info = _error_info(err)
+    raw = "" if info is None else info.reason
+    cls = _BY_REASON.get(parse_reason(raw)) or _BY_CODE.get(code, KVMemError)
+    return cls(code, raw, message, None if info is None else dict(info.metadata))
+
+
+def _error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """kvmem's ``ErrorInfo`` among the failed call's ``google.rpc.Status`` details, or
+    None: no detail, another domain's, or a status that is malformed or disagrees with
+    the call's code and message (a proxy's rewrite) is no kvmem reason."""
+    try:
+        status: status_pb2.Status | None = rpc_status.from_call(err)
+    except (AttributeError, TypeError, ValueError, DecodeError):
+        return None
+    for detail in () if status is None else status.details:
         info = error_details_pb2.ErrorInfo()
         if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == ERROR_DOMAIN:
-            reason, metadata = info.reason, dict(info.metadata)
-            break
-    cls = _BY_REASON.get(reason) or _BY_CODE.get(code, KVMemError)
-    return cls(code, reason, message, metadata)
-
-
-def _status_details(err: grpc.RpcError) -> list:
-    """The ``google.rpc.Status`` details in a failed call's trailing metadata (works for
-    the sync ``RpcError`` and asyncio's ``AioRpcError`` alike)."""
-    try:
-        trailing = err.trailing_metadata() or ()  # type: ignore[attr-defined]
-    except (AttributeError, TypeError, ValueError):
-        return []
-    for key, value in trailing:
-        if key == "grpc-status-details-bin":
-            status = status_pb2.Status()
-            try:
-                status.ParseFromString(value)
-            except Exception:  # a malformed detail is no detail
-                return []
-            return list(status.details)
-    return []
+            return info
+    return None

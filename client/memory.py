@@ -26,15 +26,15 @@ import mmap
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Union
+from typing import NamedTuple
 
 import torch
 
 from kvmem.v1 import kvmem_pb2
 
-__all__ = ["MappedMemory", "MemoryMapError", "KVLayer"]
+__all__ = ["KVLayer", "MappedMemory", "MemoryMapError"]
 
-KVLayer = Union[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
+KVLayer = tuple[torch.Tensor, torch.Tensor] | torch.Tensor
 
 _DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int32")
 
@@ -94,9 +94,7 @@ def _map_shm(handle: kvmem_pb2.MemoryHandle, dtype: torch.dtype, shape: tuple[in
     try:
         size = os.fstat(fd).st_size
         if size != handle.size_bytes:
-            raise MemoryMapError(
-                f"shared-memory file {path!r} has {size} bytes, the handle says {handle.size_bytes}"
-            )
+            raise MemoryMapError(f"shared-memory file {path!r} has {size} bytes, the handle says {handle.size_bytes}")
         # Never closed explicitly: a tensor over it keeps it alive, and it is unmapped
         # when the last view is gone (closing under a live view would leave it dangling).
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
@@ -127,13 +125,20 @@ def _map_cuda(handle: kvmem_pb2.MemoryHandle, dtype: torch.dtype, shape: tuple[i
         bytes(c.event_handle),
         bool(c.event_sync_required),
     )
-    return torch.empty(0, dtype=dtype, device=torch.device("cuda", device)).set_(storage, 0, shape)
+    # set_(storage, offset, size) takes contiguous strides; torch's stubs list only the form with strides.
+    return torch.empty(0, dtype=dtype, device=torch.device("cuda", device)).set_(storage, 0, shape)  # type: ignore[call-overload]
 
 
 def _layers(kv: torch.Tensor, fmt: int) -> list[KVLayer]:
     if fmt == kvmem_pb2.KV_FORMAT_MHA:
         return [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
     return [kv[i] for i in range(kv.shape[0])]
+
+
+class _Maps(NamedTuple):
+    kv: list[torch.Tensor]  # per rank
+    block_tables: list[torch.Tensor]  # shm: one; cuda: per rank
+    views: list[list[KVLayer]]  # per rank, per layer
 
 
 class MappedMemory:
@@ -152,14 +157,10 @@ class MappedMemory:
     ) -> None:
         self.geometry = geometry
         self.backend = backend
-        self._kv: list[torch.Tensor] | None = kv
-        self._block_tables: list[torch.Tensor] | None = block_tables
-        self._views: list[list[KVLayer]] | None = [_layers(t, geometry.layout.format) for t in kv]
+        self._maps: _Maps | None = _Maps(kv, block_tables, [_layers(t, geometry.layout.format) for t in kv])
 
     @classmethod
-    def open(
-        cls, handles: Sequence[kvmem_pb2.MemoryHandle], geometry: kvmem_pb2.PoolGeometry
-    ) -> MappedMemory:
+    def open(cls, handles: Sequence[kvmem_pb2.MemoryHandle], geometry: kvmem_pb2.PoolGeometry) -> MappedMemory:
         """Map every handle once, after checking it against ``geometry``.
 
         Expects, per rank ``0..n-1``, one ``"kv"`` handle and a ``"block_table"`` handle
@@ -171,6 +172,7 @@ class MappedMemory:
         if not geometry.HasField("layout") or layout.format == kvmem_pb2.KV_FORMAT_UNSPECIFIED:
             raise MemoryMapError("the pool geometry has no KV layout: the server runs without KV memory")
         num_tokens = geometry.num_pages * geometry.page_size
+        kv_shape: tuple[int, ...]
         if layout.format == kvmem_pb2.KV_FORMAT_MHA:
             kv_shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
         elif layout.format == kvmem_pb2.KV_FORMAT_MLA:
@@ -220,59 +222,55 @@ class MappedMemory:
 
     # ------------------------------------------------------------------ access
 
-    def _check(self) -> None:
-        if self._kv is None:
+    def _live(self) -> _Maps:
+        if self._maps is None:
             raise RuntimeError("the mapped memory is closed")
+        return self._maps
 
     @property
     def num_ranks(self) -> int:
-        self._check()
-        return len(self._kv)
+        return len(self._live().kv)
 
     def kv_buffer(self, rank: int = 0) -> torch.Tensor:
         """The whole KV allocation of ``rank``: mha ``[layers, 2, tokens, heads, head_dim]``,
         mla ``[layers, tokens, rank + rope]``. O(1)."""
-        self._check()
-        return self._kv[self._rank(rank)]
+        return self._live().kv[self._rank(rank)]
 
     def kv_cache(self, rank: int = 0) -> list[KVLayer]:
         """Per-layer views indexed by token slot (``kv_loc``): mha a list of ``(k, v)``,
         each ``[num_tokens, kv_heads, head_dim]``; mla a list of ``[num_tokens,
         kv_lora_rank + rope_dim]``. Built once at open; O(1)."""
-        self._check()
-        return self._views[self._rank(rank)]
+        return self._live().views[self._rank(rank)]
 
     @property
     def block_table(self) -> torch.Tensor:
         """int32 ``[max_requests + 1, max_pages_per_request]``. shm: the server's host table
         itself; cuda: rank 0's device copy (see :meth:`device_block_table`)."""
-        self._check()
-        return self._block_tables[0]
+        return self._live().block_tables[0]
 
     def device_block_table(self, rank: int = 0) -> torch.Tensor:
         """The block-table copy on ``rank``'s GPU (cuda only). The server updates it before
         the Step response that changed it arrives."""
-        self._check()
+        tables = self._live().block_tables
         if self.backend != "cuda":
             raise RuntimeError(f"the {self.backend} backend has no device block table; use block_table")
-        return self._block_tables[self._rank(rank)]
+        return tables[self._rank(rank)]
 
     def _rank(self, rank: int) -> int:
-        if not 0 <= rank < len(self._kv):
-            raise IndexError(f"rank {rank} out of range: {len(self._kv)} rank(s) mapped")
+        num_ranks = self.num_ranks
+        if not 0 <= rank < num_ranks:
+            raise IndexError(f"rank {rank} out of range: {num_ranks} rank(s) mapped")
         return rank
 
     def close(self) -> None:
         """Drop this object's mappings. Idempotent. Memory is unmapped (shm) or released
         (cuda) once no view obtained from it is alive either, so a view kept by the
         caller never dangles."""
-        self._kv = None
-        self._block_tables = None
-        self._views = None
+        self._maps = None
 
     @property
     def closed(self) -> bool:
-        return self._kv is None
+        return self._maps is None
 
     def __enter__(self) -> MappedMemory:
         return self
@@ -281,39 +279,5 @@ class MappedMemory:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{len(self._kv)} rank(s)"
+        state = "closed" if self._maps is None else f"{len(self._maps.kv)} rank(s)"
         return f"MappedMemory({self.backend}, {state})"
-
-
-class MemoryViews:
-    """What both clients offer over the memory handles their Attach returned (mixed into
-    :class:`~kvmem.client.KVMemClient` and :class:`~kvmem.client.AsyncKVMemClient`).
-    The handles are mapped on first use, once per allocation."""
-
-    memory_handles: list[kvmem_pb2.MemoryHandle]
-    geometry: kvmem_pb2.PoolGeometry
-    _mapped: MappedMemory | None = None
-
-    @property
-    def memory(self) -> MappedMemory:
-        """The server's KV memory and block table(s), mapped into this process."""
-        if self._mapped is None:
-            self._mapped = MappedMemory.open(self.memory_handles, self.geometry)
-        return self._mapped
-
-    def kv_cache(self, rank: int = 0) -> list[KVLayer]:
-        """Per layer: ``(k, v)`` views ``[num_tokens, kv_heads, head_dim]`` (mha) or the
-        latent ``[num_tokens, kv_lora_rank + rope_dim]`` (mla), indexed by ``kv_loc``."""
-        return self.memory.kv_cache(rank)
-
-    @property
-    def block_table(self) -> torch.Tensor:
-        """int32 ``[max_requests + 1, max_pages_per_request]``; row ``slot`` lists the
-        request's pages. Read-only (shm) or the device copy of rank 0 (cuda); it is
-        current when a Step response arrives."""
-        return self.memory.block_table
-
-    def _unmap(self) -> None:
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None

@@ -26,16 +26,16 @@ from kvmem.server.memory import (
     GeometryError,
     KVGeometry,
     MemoryBackend,
+    PoolSpec,
     ShmBackend,
-    check_pool,
     format_size,
     pages_for_budget,
     parse_size,
 )
-from kvmem.server.engine import Engine
 from kvmem.server.metrics import MetricsServer, RpcStats, build_registry
-from kvmem.server.tuning import keep_freed_memory
 from kvmem.server.service import KVMemoryService, geometry_to_proto, handle_to_proto
+from kvmem.server.sessions import Sessions
+from kvmem.server.tuning import keep_freed_memory
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 log = logging.getLogger("kvmem.server")
@@ -72,6 +72,7 @@ class ServerConfig:
     kv_lora_rank: int = 512
     rope_dim: int = 64
     dtype: str = "bfloat16"
+    audit_every_step: bool = False  # the full audit after every step (tests, debugging)
 
     def geometry(self) -> KVGeometry:
         return KVGeometry(
@@ -99,8 +100,8 @@ def build_pool(cfg: ServerConfig) -> tuple[CoreConfig, MemoryBackend | None, KVG
         num_pages = cfg.num_pages
         if cfg.memory is not None:
             num_pages = pages_for_budget(parse_size(cfg.memory), geometry, cfg.max_requests, cfg.max_context_len)
-        check_pool(geometry, num_pages, cfg.max_requests, cfg.max_context_len)
-        core = CoreConfig(num_pages, cfg.page_size, cfg.max_requests, cfg.max_context_len)
+        pool = PoolSpec(geometry, num_pages, cfg.max_requests, cfg.max_context_len)
+        core = CoreConfig(pool.num_pages, pool.geometry.page_size, pool.max_requests, pool.max_context_len)
         devices = cfg.cuda_devices()
         backend: MemoryBackend | None
         if cfg.device == "none" and not devices:
@@ -108,12 +109,12 @@ def build_pool(cfg: ServerConfig) -> tuple[CoreConfig, MemoryBackend | None, KVG
         elif devices:
             option = f"--devices {','.join(map(str, cfg.devices))}" if cfg.devices else f"--device {cfg.device}"
             try:
-                backend = CudaBackend(geometry, num_pages, cfg.max_requests, cfg.max_context_len, devices)
+                backend = CudaBackend(pool, devices)
             except RuntimeError as exc:  # no CUDA, a CUDA error: name the option that asked for it
                 raise StartupError(f"{option}: {exc}") from None
         else:
             try:
-                backend = ShmBackend(geometry, num_pages, cfg.max_requests, cfg.max_context_len, cfg.shm_dir)
+                backend = ShmBackend(pool, cfg.shm_dir)
             except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
                 raise StartupError(f"--shm-dir {cfg.shm_dir}: {exc}") from None
     except (GeometryError, ValueError, RuntimeError, OSError) as exc:
@@ -161,20 +162,20 @@ def _check_tcp(address: str, auth_token: str | None) -> None:
         loopback = False
     if not loopback and not auth_token:
         raise StartupError(
-            f"--tcp {address} listens beyond loopback: set --auth-token (or KVMEM_AUTH_TOKEN) so clients must present it"
+            f"--tcp {address} listens beyond loopback: "
+            "set --auth-token (or KVMEM_AUTH_TOKEN) so clients must present it"
         )
 
 
 class KVMemServer:
-    """A started server: the gRPC server, the engine, the health servicer."""
+    """A started server: the gRPC server, the sessions, the health servicer."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.engine: Engine | None = None
+        self.sessions: Sessions | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.service: KVMemoryService | None = None
-        self.tcp_port: int | None = None
         self.memory: MemoryBackend | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -207,11 +208,11 @@ class KVMemServer:
             kv_geometry.bytes_per_token, kv_geometry.format, kv_geometry.dtype, kv_geometry.num_layers,
             format_size(kv_bytes), "no memory" if self.memory is None else self.memory.name,
         )  # fmt: skip
-        assert self.engine is not None
+        assert self.sessions is not None
         log.info(
-            "serving socket=%s tcp=%s max_requests=%d max_context=%d lease_ms=%d epoch=%s",
+            "serving socket=%s tcp=%s max_requests=%d max_context=%d lease_ms=%d audit_every_step=%s epoch=%s",
             cfg.socket_path, cfg.tcp, core_cfg.max_requests, core_cfg.max_context_len, int(cfg.lease_s * 1000),
-            self.engine.epoch,
+            cfg.audit_every_step, self.sessions.epoch,
         )  # fmt: skip
 
     async def _start_grpc(
@@ -233,11 +234,11 @@ class KVMemServer:
             server,
         )
 
-        self.engine = Engine(core_cfg, cfg.lease_s, self.memory)
+        self.sessions = Sessions(core_cfg, cfg.lease_s, self.memory, audit_every_step=cfg.audit_every_step)
         geometry = geometry_to_proto(core_cfg, None if self.memory is None else kv_geometry)
         handles = [] if self.memory is None else [handle_to_proto(h) for h in self.memory.handles()]
         backend_name = "none" if self.memory is None else self.memory.name
-        self.service = KVMemoryService(self.engine, geometry, handles, backend_name, cfg.auth_token)
+        self.service = KVMemoryService(self.sessions, geometry, handles, backend_name, cfg.auth_token)
         kvmem_pb2_grpc.add_KVMemoryServicer_to_server(self.service, server)
         if metrics_at is not None:  # before gRPC listens: a port in use stops the start cleanly
             await self._start_metrics(*metrics_at)
@@ -250,7 +251,7 @@ class KVMemServer:
                 os.umask(old_umask)
         if cfg.tcp is not None:
             try:
-                self.tcp_port = server.add_insecure_port(cfg.tcp)
+                server.add_insecure_port(cfg.tcp)
             except RuntimeError as exc:
                 raise StartupError(f"--tcp {cfg.tcp}: cannot listen ({exc})") from None
         old_umask = os.umask(0o177)
@@ -265,9 +266,9 @@ class KVMemServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     async def _start_metrics(self, host: str, port: int) -> None:
-        assert self.engine is not None and self.service is not None
+        assert self.sessions is not None and self.service is not None
         self.service.rpc_stats = RpcStats()
-        registry = build_registry(self.engine, self.service.rpc_stats, self.service.memory_backend)
+        registry = build_registry(self.sessions, self.service.rpc_stats, self.service.memory_backend)
         server = MetricsServer(registry)
         try:
             await server.start(host, port)
@@ -277,11 +278,11 @@ class KVMemServer:
         log.info("metrics on http://%s:%d/metrics", host if ":" not in host else f"[{host}]", server.port)
 
     async def _reap_leases(self) -> None:
-        assert self.engine is not None
-        interval = min(self.engine.lease_s / 4, 0.25)
+        assert self.sessions is not None
+        interval = min(self.sessions.lease_s / 4, 0.25)
         while True:
             await asyncio.sleep(interval)
-            self.engine.expire()
+            self.sessions.expire()
 
     async def stop(self) -> None:
         """Readiness NOT_SERVING, refuse new sessions, let in-flight calls finish, end
@@ -291,16 +292,16 @@ class KVMemServer:
         self._stopped.set()
         log.info("shutting down: readiness NOT_SERVING, no new sessions")
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        assert self.engine is not None and self.service is not None
-        self.engine.accepting = False
+        assert self.sessions is not None and self.service is not None
+        self.sessions.accepting = False
         self.service.stopping.set()
         for task in list(self.service.keepalive_tasks):
             task.cancel()
         if self._reaper is not None:
             self._reaper.cancel()
         await self.grpc_server.stop(self.config.shutdown_grace_s)
-        for session_id in list(self.engine.sessions):
-            self.engine.end_session(session_id, "server shutdown")
+        for session_id in list(self.sessions.by_id):
+            self.sessions.end(session_id, "server shutdown")
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         if self.memory is not None:

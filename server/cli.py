@@ -26,10 +26,21 @@ def _env(name: str, default: Any, parse: Callable[[str], Any] = str) -> Any:
     try:
         return parse(raw)
     except ValueError:
-        raise SystemExit(f"kvmem: KVMEM_{name.upper().replace('-', '_')}={raw!r} is not a valid {parse.__name__}")
+        env = "KVMEM_" + name.upper().replace("-", "_")
+        raise SystemExit(f"kvmem: {env}={raw!r} is not a valid {parse.__name__}") from None
 
 
-def _add(p: argparse.ArgumentParser, flag: str, default: Any, help: str, type: Callable[[str], Any] = str) -> None:
+def switch(raw: str) -> bool:
+    """An environment switch: 1/true/yes/on or 0/false/no/off."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+def _add(p: argparse._ActionsContainer, flag: str, default: Any, help: str, type: Callable[[str], Any] = str) -> None:
     name = flag.lstrip("-")
     env = "KVMEM_" + name.upper().replace("-", "_")
     shown = "none" if default is None else default
@@ -44,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_serve(sub)
+    _add_client_commands(sub)
+    return parser
+
+
+def _add_serve(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="run the server (until SIGTERM/SIGINT)",
@@ -55,8 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add(listen, "--socket", DEFAULT_SOCKET, "unix socket path to listen on; 'none' to disable")
     _add(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)")
     _add(listen, "--auth-token", None, "bearer token TCP clients must send (required beyond loopback)")
-    _add(listen, "--metrics", None, "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 0.0.0.0:9400; "
-         "port 0 picks a free one and logs it); no authentication, so pick the interface")
+    _add(
+        listen,
+        "--metrics",
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 0.0.0.0:9400; "
+        "port 0 picks a free one and logs it); no authentication, so pick the interface",
+    )
     pool = serve.add_argument_group("pool geometry")
     _add(pool, "--page-size", 16, "tokens per page", int)
     _add(pool, "--num-pages", 4096, "pages in the pool, including the padding page 0", int)
@@ -80,7 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add(sessions, "--lease-ms", 10000, "a session that makes no call or keep-alive for this long ends", int)
     _add(sessions, "--shutdown-grace-ms", 5000, "how long in-flight calls may run after SIGTERM", int)
     _add(serve, "--log-level", "info", "debug, info, warning or error")
+    serve.add_argument(
+        "--debug-audit",
+        action="store_true",
+        default=_env("debug", False, switch),
+        help="run the full pool audit (O(pool)) after every step; a broken invariant fails the call as "
+        "INTERNAL: for tests and debugging, not production (default: off; env KVMEM_DEBUG)",
+    )
 
+
+def _add_client_commands(sub: Any) -> None:
     for name, text in (
         ("health", "check a server's health (exit 0 when serving; for a Docker HEALTHCHECK)"),
         ("stats", "print pool and per-session usage"),
@@ -99,7 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--json", action="store_true", help="print JSON instead of a table")
             p.add_argument("--audit", action="store_true", help="also run the full pool audit (O(pool))")
-    return parser
 
 
 def _target(args: argparse.Namespace) -> str:
@@ -134,6 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_lora_rank=args.kv_lora_rank,
         rope_dim=args.rope_dim,
         dtype=args.dtype,
+        audit_every_step=args.debug_audit,
     )
     return serve(config)
 

@@ -26,7 +26,13 @@ class ErrorKind(enum.Enum):
 
 class Reason(enum.Enum):
     """Why a call failed: a closed set. Sent as ``google.rpc.ErrorInfo.reason`` (the
-    member name); each reason knows its :class:`ErrorKind`."""
+    member name); each reason knows its :class:`ErrorKind`.
+
+    The wire contract lists the same set as the proto's ``kvmem.v1.ErrorReason`` (there
+    ``ERROR_REASON_`` + the member name): a reason added here is added there too, with
+    its meaning and gRPC code (the service refuses to start otherwise, and
+    tests/test_proto.py checks both sets are equal). This enum stays the core's own: the
+    core never imports the proto."""
 
     # INVALID_ARGUMENT: malformed input.
     BAD_VALUE = ("BAD_VALUE", ErrorKind.INVALID_ARGUMENT)

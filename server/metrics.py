@@ -12,8 +12,8 @@ A scrape of ``GET /metrics`` shows (names under ``kvmem_``):
   not the transport);
 - the process (CPU seconds, resident memory, open files) from prometheus_client.
 
-The gauges are read from the engine when a scrape arrives, so the hot path pays
-nothing for them; the totals are integer additions made by the engine and the service.
+The gauges are read from the sessions layer when a scrape arrives, so the hot path pays
+nothing for them; the totals are integer additions made by the sessions layer and the service.
 
 The endpoint is a small HTTP/1.1 server on the gRPC event loop (asyncio streams), not
 prometheus_client's server thread: a scrape then runs between two calls and reads one
@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 from kvmem.server.core import AllocStatus
 
 if TYPE_CHECKING:
-    from kvmem.server.engine import Engine
+    from kvmem.server.sessions import ServerStats, Sessions
 
 log = logging.getLogger("kvmem.metrics")
 
@@ -76,24 +76,29 @@ class RpcStats:
 
 
 class KVMemCollector(Collector):
-    """Builds every ``kvmem_`` metric from the engine and the RPC stats at scrape time."""
+    """Builds every ``kvmem_`` metric from the sessions layer and the RPC stats at scrape time."""
 
-    def __init__(self, engine: Engine, rpc: RpcStats, memory_backend: str) -> None:
-        self.engine = engine
+    def __init__(self, sessions: Sessions, rpc: RpcStats, memory_backend: str) -> None:
+        self.sessions = sessions
         self.rpc = rpc
         self.memory_backend = memory_backend
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.engine
-        stats = engine.stats(audit=False)
-        pool = stats.pool
-        cfg = engine.core.config
+        stats = self.sessions.stats(audit=False)
+        yield from self._pool(stats)
+        yield from self._per_session(stats)
+        yield from self._totals(stats)
+        yield from self._rpc()
 
+    def _pool(self, stats: ServerStats) -> Iterator[Metric]:
+        sessions = self.sessions
+        pool = stats.pool
+        cfg = sessions.core.config
         info = GaugeMetricFamily(
             "kvmem_info", "This server: its epoch (changes at every start) and memory backend; always 1.",
             labels=["epoch", "memory_backend"],
         )  # fmt: skip
-        info.add_metric([engine.epoch, self.memory_backend], 1)
+        info.add_metric([sessions.epoch, self.memory_backend], 1)
         yield info
         geometry = GaugeMetricFamily("kvmem_pool_config", "The pool's geometry, as configured.", labels=["setting"])
         for setting, value in (
@@ -103,8 +108,12 @@ class KVMemCollector(Collector):
         ):
             geometry.add_metric([setting], value)
         yield geometry
-        yield GaugeMetricFamily("kvmem_pages_total", "Usable pages in the pool (page 0 is padding).", pool.num_pages_total)
-        pages = GaugeMetricFamily("kvmem_pages", "Pages by state; free + used + cached = kvmem_pages_total.", labels=["state"])
+        yield GaugeMetricFamily(
+            "kvmem_pages_total", "Usable pages in the pool (page 0 is padding).", pool.num_pages_total
+        )
+        pages = GaugeMetricFamily(
+            "kvmem_pages", "Pages by state; free + used + cached = kvmem_pages_total.", labels=["state"]
+        )
         pages.add_metric(["free"], pool.num_free_pages)
         pages.add_metric(["used"], pool.num_used_pages)
         pages.add_metric(["cached"], pool.num_cached_pages)
@@ -115,45 +124,56 @@ class KVMemCollector(Collector):
         yield slots
         yield GaugeMetricFamily("kvmem_sessions", "Attached sessions (scheduler workers).", len(stats.sessions))
 
+    def _per_session(self, stats: ServerStats) -> Iterator[Metric]:
         labels = ["session", "index"]
         held = GaugeMetricFamily("kvmem_session_pages", "Pages a session's open requests hold.", labels=labels)
         reqs = GaugeMetricFamily("kvmem_session_requests", "A session's open requests.", labels=labels)
-        quota = GaugeMetricFamily("kvmem_session_quota_pages", "A session's page quota (sessions with one).", labels=labels)
-        for session, num_requests, num_pages in stats.sessions:
-            key = [session.name, str(session.index)]
-            held.add_metric(key, num_pages)
-            reqs.add_metric(key, num_requests)
+        quota = GaugeMetricFamily(
+            "kvmem_session_quota_pages", "A session's page quota (sessions with one).", labels=labels
+        )
+        for row in stats.sessions:
+            session = row.session
+            key = [session.name, str(session.owner)]
+            held.add_metric(key, row.num_pages_held)
+            reqs.add_metric(key, row.num_requests)
             if session.quota_pages is not None:
                 quota.add_metric(key, session.quota_pages)
         yield held
         yield reqs
         yield quota
 
+    def _totals(self, stats: ServerStats) -> Iterator[Metric]:
+        sessions = self.sessions
         yield GaugeMetricFamily("kvmem_uptime_seconds", "Seconds since the server started.", stats.uptime_s)
         yield CounterMetricFamily("kvmem_steps", "Steps applied (valid Step calls).", stats.num_steps)
-        yield CounterMetricFamily("kvmem_pages_allocated", "Pages handed out by steps.", engine.num_pages_allocated)
+        yield CounterMetricFamily("kvmem_pages_allocated", "Pages handed out by steps.", sessions.num_pages_allocated)
         yield CounterMetricFamily(
             "kvmem_pages_released",
             "References dropped: by steps' releases and truncates, and by sessions that ended.",
-            engine.num_pages_released,
+            sessions.num_pages_released,
         )
         items = CounterMetricFamily("kvmem_alloc_items", "Alloc items of steps, by per-item status.", labels=["status"])
         for status in AllocStatus:
-            items.add_metric([status.name], engine.alloc_items[status])
+            items.add_metric([status.name], sessions.alloc_items[status])
         yield items
         ended = CounterMetricFamily("kvmem_sessions_ended", "Sessions ended, by why.", labels=["why"])
-        for why, n in sorted(engine.sessions_ended.items()):
+        for why, n in sorted(sessions.sessions_ended.items()):
             ended.add_metric([why], n)
         yield ended
 
+    def _rpc(self) -> Iterator[Metric]:
         rpc = self.rpc
-        calls = CounterMetricFamily("kvmem_rpc_calls", "Unary calls handled, by method and gRPC code.", labels=["method", "code"])
+        calls = CounterMetricFamily(
+            "kvmem_rpc_calls", "Unary calls handled, by method and gRPC code.", labels=["method", "code"]
+        )
         for (method, code), n in sorted(rpc.calls.items()):
             calls.add_metric([method, code], n)
         yield calls
         errors = CounterMetricFamily(
-            "kvmem_rpc_errors", "Calls refused, by method and kvmem reason (ErrorInfo.reason).", labels=["method", "reason"]
-        )  # fmt: skip
+            "kvmem_rpc_errors",
+            "Calls refused, by method and kvmem reason (ErrorInfo.reason).",
+            labels=["method", "reason"],
+        )
         for (method, reason), n in sorted(rpc.errors.items()):
             errors.add_metric([method, reason], n)
         yield errors
@@ -164,16 +184,16 @@ class KVMemCollector(Collector):
         )
         for method, counts in sorted(rpc.time_counts.items()):
             cumulative, buckets = 0, []
-            for bound, n in zip((*HANDLER_BUCKETS, float("inf")), counts):
+            for bound, n in zip((*HANDLER_BUCKETS, float("inf")), counts, strict=True):
                 cumulative += n
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             handler.add_metric([method], buckets, rpc.time_sum[method])
         yield handler
 
 
-def build_registry(engine: Engine, rpc: RpcStats, memory_backend: str) -> CollectorRegistry:
+def build_registry(sessions: Sessions, rpc: RpcStats, memory_backend: str) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(KVMemCollector(engine, rpc, memory_backend))
+    registry.register(KVMemCollector(sessions, rpc, memory_backend))
     ProcessCollector(registry=registry)
     return registry
 
@@ -202,7 +222,7 @@ class MetricsServer:
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
                 return
             parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
             method, path = (parts[0], parts[1].split("?", 1)[0]) if len(parts) == 3 else ("", "")

@@ -1,4 +1,4 @@
-"""The gRPC servicer: parse the proto, call the engine, map the result. Nothing else.
+"""The gRPC servicer: parse the proto, call the sessions layer, map the result. Nothing else.
 
 Errors are mapped in one place, :func:`_to_status`: a :class:`KVMemError`'s kind picks
 the gRPC status code, its message (which names the offending value) becomes the status
@@ -14,7 +14,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -23,11 +23,11 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kvmem.server.core import CoreConfig
-from kvmem.server.engine import Engine
-from kvmem.server.memory import HandleInfo, KVGeometry
+from kvmem.server.core import CoreConfig, StepBatch
 from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
+from kvmem.server.memory import HandleInfo, KVGeometry
 from kvmem.server.metrics import RpcStats
+from kvmem.server.sessions import Sessions
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 log = logging.getLogger("kvmem.service")
@@ -42,10 +42,20 @@ _STATUS_CODE = {
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
+_REASON_PREFIX = "ERROR_REASON_"
+# Each Reason's ErrorInfo.reason: the name of its value in the proto's ErrorReason, less
+# the prefix. Looked up here, at import, so a reason the proto does not list stops the
+# server from starting (ValueError) instead of reaching a client as a name it cannot read.
+_WIRE_REASON = {
+    reason: kvmem_pb2.ErrorReason.Name(kvmem_pb2.ErrorReason.Value(_REASON_PREFIX + reason.name))[len(_REASON_PREFIX) :]
+    for reason in Reason
+}
 
 
 def _to_status(err: KVMemError) -> grpc.Status:
-    info = error_details_pb2.ErrorInfo(reason=err.reason.name, domain=ERROR_DOMAIN, metadata=err.metadata)
+    """The status of a refused call: the kind's code, the message, and the reason (a
+    name of the proto's ErrorReason) with the offending values as an ErrorInfo."""
+    info = error_details_pb2.ErrorInfo(reason=_WIRE_REASON[err.reason], domain=ERROR_DOMAIN, metadata=err.metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
     code = _STATUS_CODE[err.kind]
@@ -92,18 +102,23 @@ def handle_to_proto(h: HandleInfo) -> kvmem_pb2.MemoryHandle:
     return msg
 
 
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 
-def _unary(method: F) -> F:
-    """Run a unary handler; turn a KVMemError (and an auth failure) into its status.
+def _unary(
+    method: Callable[[KVMemoryService, Req, grpc.aio.ServicerContext], Resp],
+) -> Callable[[KVMemoryService, Req, grpc.aio.ServicerContext], Coroutine[Any, Any, Resp]]:
+    """Make a plain handler (it never awaits: each call is one critical section on the
+    event loop) the coroutine gRPC calls; turn a KVMemError (and an auth failure) into
+    its status.
     With metrics on (``rpc_stats`` set), count the call by its code and time the
     handler; off, the call pays two ``is None`` tests for it (the timing costs ~2% of a
     256-item Step's round trip, measured)."""
     name = method.__name__
 
     @functools.wraps(method)
-    async def wrapper(self: "KVMemoryService", request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(self: KVMemoryService, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         stats = self.rpc_stats
         started = 0.0 if stats is None else time.perf_counter()
         code, reason = "OK", None
@@ -115,6 +130,7 @@ def _unary(method: F) -> F:
             if isinstance(err, CorruptionError):
                 log.error("corruption detected in %s: %s", name, err.message)
             await context.abort_with_status(_to_status(err))
+            raise AssertionError("abort_with_status returned") from err  # it always raises
         except Exception:
             code = grpc.StatusCode.UNKNOWN.name  # what gRPC answers for an unexpected exception
             raise
@@ -122,7 +138,7 @@ def _unary(method: F) -> F:
             if stats is not None:
                 stats.record(name, code, reason, time.perf_counter() - started)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def _array(field: Any) -> np.ndarray:
@@ -149,17 +165,17 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
-    """kvmem.v1.KVMemory over an :class:`Engine`."""
+    """kvmem.v1.KVMemory over :class:`~kvmem.server.sessions.Sessions`."""
 
     def __init__(
         self,
-        engine: Engine,
+        sessions: Sessions,
         geometry: kvmem_pb2.PoolGeometry,
         memory_handles: list[kvmem_pb2.MemoryHandle],
         memory_backend: str,
         auth_token: str | None = None,
     ) -> None:
-        self.engine = engine
+        self.sessions = sessions
         self.geometry = geometry
         self.memory_handles = memory_handles
         self.memory_backend = memory_backend
@@ -183,31 +199,30 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
     @_unary
     def Attach(self, request: kvmem_pb2.AttachRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.AttachResponse:
         quota = request.quota_pages if request.HasField("quota_pages") else None
-        session = self.engine.attach(request.name, quota)
+        session = self.sessions.attach(request.name, quota)
         return kvmem_pb2.AttachResponse(
-            epoch=self.engine.epoch,
+            epoch=self.sessions.epoch,
             session_id=session.session_id,
-            lease_ms=int(self.engine.lease_s * 1000),
+            lease_ms=int(self.sessions.lease_s * 1000),
             geometry=self.geometry,
             memory=self.memory_handles,
         )
 
     @_unary
     def Detach(self, request: kvmem_pb2.DetachRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.DetachResponse:
-        self.engine.session(request.session_id)
-        released = self.engine.end_session(request.session_id, "detached")
-        return kvmem_pb2.DetachResponse(epoch=self.engine.epoch, num_requests_released=released)
+        self.sessions.session(request.session_id)
+        released = self.sessions.end(request.session_id, "detached")
+        return kvmem_pb2.DetachResponse(epoch=self.sessions.epoch, num_requests_released=released)
 
     @_unary
     def Open(self, request: kvmem_pb2.OpenRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.OpenResponse:
-        slots = self.engine.open(request.session_id, list(request.request_ids))
-        return kvmem_pb2.OpenResponse(epoch=self.engine.epoch, slots=slots.tolist())
+        slots = self.sessions.open(request.session_id, list(request.request_ids))
+        return kvmem_pb2.OpenResponse(epoch=self.sessions.epoch, slots=slots.tolist())
 
     @_unary
     def Step(self, request: kvmem_pb2.StepRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StepResponse:
         expected = request.alloc_expected_lens
-        result = self.engine.step(
-            request.session_id,
+        batch = StepBatch(
             _array(request.release_slots),
             _array(request.truncate_slots),
             _array(request.truncate_lens),
@@ -216,29 +231,31 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
             _array(expected) if len(expected) else None,
             request.atomic,
         )
+        result = self.sessions.step(request.session_id, batch)
         return kvmem_pb2.StepResponse(
-            epoch=self.engine.epoch,
+            epoch=self.sessions.epoch,
             alloc_status=result.alloc_status.tobytes(),
             kv_loc=_le_bytes(result.kv_loc),
             kv_loc_offsets=_le_bytes(result.kv_loc_offsets),
             new_pages=_le_bytes(result.new_pages),
             new_page_offsets=_le_bytes(result.new_page_offsets),
             num_pages_released=result.num_pages_released,
-            num_free_pages=self.engine.core.pool.num_free,
+            num_free_pages=self.sessions.core.pool.num_free,
         )
 
     @_unary
     def Stats(self, request: kvmem_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StatsResponse:
-        stats = self.engine.stats(audit=request.audit)
+        stats = self.sessions.stats(audit=request.audit)
         pool = stats.pool
         now_sessions = []
         now = time.monotonic()
-        for session, num_requests, num_pages in stats.sessions:
+        for row in stats.sessions:
+            session = row.session
             usage = kvmem_pb2.SessionUsage(
                 name=session.name,
-                index=session.index,
-                num_requests=num_requests,
-                num_pages_held=num_pages,
+                index=session.owner,
+                num_requests=row.num_requests,
+                num_pages_held=row.num_pages_held,
                 idle_ms=int((now - session.last_seen) * 1000),
             )
             if session.quota_pages is not None:
@@ -249,7 +266,7 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
             audit.ok = stats.audit.ok
             audit.problems.extend(stats.audit.problems)
         return kvmem_pb2.StatsResponse(
-            epoch=self.engine.epoch,
+            epoch=self.sessions.epoch,
             geometry=self.geometry,
             num_pages_total=pool.num_pages_total,
             num_free_pages=pool.num_free_pages,
@@ -277,22 +294,21 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         task = asyncio.current_task()
         assert task is not None
         self.keepalive_tasks.add(task)
-        reply = kvmem_pb2.KeepAliveResponse(epoch=self.engine.epoch)
+        reply = kvmem_pb2.KeepAliveResponse(epoch=self.sessions.epoch)
         try:
             async for message in request_iterator:
                 if session_id is None:
                     try:
-                        session = self.engine.session(message.session_id)
+                        self.sessions.session(message.session_id)
                     except KVMemError as err:
                         await context.abort_with_status(_to_status(err))
                     session_id = message.session_id
-                    session.num_keepalive_streams += 1
                 elif message.session_id and message.session_id != session_id:
                     await context.abort_with_status(
                         _to_status(KVMemError(Reason.BAD_VALUE, "a keep-alive stream serves one session"))
                     )
                 else:
-                    self.engine.session(session_id)
+                    self.sessions.session(session_id)
                 yield reply
         except KVMemError as err:  # the session ended while the stream was open
             await context.abort_with_status(_to_status(err))
@@ -307,4 +323,4 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         finally:
             self.keepalive_tasks.discard(task)
             if session_id is not None and not self.stopping.is_set():
-                self.engine.end_session(session_id, "keep-alive stream closed")
+                self.sessions.end(session_id, "keep-alive stream closed")

@@ -102,9 +102,10 @@ def test_serve_help_names_every_option_with_its_default_and_env_var() -> None:
     run = kvmem("serve", "--help")
     assert run.returncode == 0, run.stderr
     entries = option_entries(run.stdout)
-    assert set(entries) == {"-h", *SERVE_OPTIONS}, sorted(entries)
+    assert set(entries) == {"-h", "--debug-audit", *SERVE_OPTIONS}, sorted(entries)
     for flag, default in SERVE_OPTIONS.items():
         assert f"(default: {default}; env {env_name(flag)})" in entries[flag], entries[flag]
+    assert "(default: off; env KVMEM_DEBUG)" in entries["--debug-audit"], entries["--debug-audit"]
     assert "KVMEM_" in run.stdout.split("options:")[0]  # the description says env vars exist
 
 
@@ -195,6 +196,7 @@ def test_serve_honours_kvmem_env_vars_and_the_command_line_wins(tmpdir_short: st
             attached = kvmem_pb2_grpc.KVMemoryStub(channel).Attach(kvmem_pb2.AttachRequest(name="x"), timeout=5)
         assert attached.lease_ms == 2500
         assert stats_of(both).geometry.page_size == 2
+        assert "audit_every_step=True" in by_env.log()  # KVMEM_DEBUG=1 turns the per-step audit on
     finally:
         assert by_env.stop() == 0, by_env.log()
         assert both.stop() == 0, both.log()

@@ -6,8 +6,13 @@ usable, page 0 is padding), request slots 1..4, max_context_len 16 tokens = 4 pa
 request, so the block table is int32 [5, 4]. A token slot is ``page * 4 + offset``.
 States are drawn in comments as block-table rows, e.g. ``# row 1: [1, 2, 0, 0]  len 6``.
 
-Every core a test builds is audited when the test ends (fixture ``make_core``), and
-``KVMEM_DEBUG=1`` makes the core audit itself after every mutating call as well.
+Owners are the small integers ``core.add_owner()`` returns (``a``, ``b``, ... in the
+tests); a step takes a :class:`StepBatch` (built here by the helpers ``step`` and
+``alloc``) and the owner's page quota, which the sessions layer keeps.
+
+Every core a test builds is audited when the test ends (fixture ``make_core``), and is
+built with ``audit_every_step=True``, so it audits itself after every mutating call as
+well.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PagePool, PoolStats, StepResult
+from kvmem.server.core import AllocStatus, CoreConfig, KVCore, OwnerUsage, PagePool, PoolStats, StepBatch, StepResult
 from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
+from kvmem.server.sessions import Sessions
 from core_state import snapshot
 
 OK = AllocStatus.OK
@@ -31,12 +37,6 @@ PS = 4  # page size of the default geometry
 # ---------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True)
-def _debug_audit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The core audits itself after every mutating call (read at construction)."""
-    monkeypatch.setenv("KVMEM_DEBUG", "1")
-
-
 @pytest.fixture
 def make_core():
     """Factory of cores; each one made is audited when the test ends."""
@@ -49,8 +49,8 @@ def make_core():
         max_context_len: int = 16,
         block_table: np.ndarray | None = None,
     ) -> KVCore:
-        core = KVCore(CoreConfig(num_pages, page_size, max_requests, max_context_len), block_table)
-        assert core.debug
+        config = CoreConfig(num_pages, page_size, max_requests, max_context_len)
+        core = KVCore(config, block_table, audit_every_step=True)  # audits after every mutating call
         made.append(core)
         return core
 
@@ -66,8 +66,14 @@ def assert_audit(core: KVCore) -> None:
     assert report.num_free_pages + report.num_cached_pages + report.num_used_pages == core.config.num_pages - 1
 
 
-def alloc(core: KVCore, owner: str, slots, needs, **kw) -> StepResult:
-    return core.step(owner, alloc_slots=slots, alloc_needs=needs, **kw)
+def step(core: KVCore, owner: int, quota_pages: int | None = None, **columns) -> StepResult:
+    """One step of ``owner``: ``columns`` (and ``atomic``) as :meth:`StepBatch.of` takes
+    them, so a bad column raises BAD_VALUE from here exactly as the core's step would."""
+    return core.step(owner, StepBatch.of(**columns), quota_pages)
+
+
+def alloc(core: KVCore, owner: int, slots, needs, quota_pages: int | None = None, **kw) -> StepResult:
+    return step(core, owner, quota_pages, alloc_slots=slots, alloc_needs=needs, **kw)
 
 
 def statuses(res: StepResult) -> list[AllocStatus]:
@@ -115,12 +121,12 @@ def raises(reason: Reason, fn, *args, **kwargs) -> KVMemError:
     return err
 
 
-def two_requests(make_core, **kw) -> KVCore:
+def two_requests(make_core, **kw) -> tuple[KVCore, int]:
     core = make_core(**kw)
-    core.add_owner("a")
-    slots = core.open("a", ["r1", "r2"])
+    a = core.add_owner()
+    slots = core.open(a, ["r1", "r2"])
     assert slots.tolist() == [1, 2]
-    return core
+    return core, a
 
 
 # --------------------------------------------------------------- config and setup
@@ -157,9 +163,9 @@ def test_given_block_table_is_zeroed_and_written_in_place(make_core) -> None:
     core = make_core(block_table=bt)
     assert core.block_table is bt
     assert not bt.any()
-    core.add_owner("a")
-    core.open("a", ["r"])
-    alloc(core, "a", [1], [5])
+    a = core.add_owner()
+    core.open(a, ["r"])
+    alloc(core, a, [1], [5])
     # row 1: [1, 2, 0, 0]  len 5
     assert bt[1].tolist() == [1, 2, 0, 0]
 
@@ -214,8 +220,8 @@ def test_reasons_map_to_the_kinds_of_the_design() -> None:
 
 
 def test_alloc_from_alloced_len_zero(make_core) -> None:
-    core = two_requests(make_core)
-    res = alloc(core, "a", [1], [3])
+    core, a = two_requests(make_core)
+    res = alloc(core, a, [1], [3])
     check_result_types(res, 1)
     # row 1: [1, 0, 0, 0]  len 3   tokens 0..2 at page 1, offsets 0..2
     assert statuses(res) == [OK]
@@ -225,45 +231,45 @@ def test_alloc_from_alloced_len_zero(make_core) -> None:
     assert res.new_page_offsets.tolist() == [0, 1]
     assert res.num_pages_released == 0
     assert row(core, 1) == [1, 0, 0, 0]
-    assert core.alloced_len("a", 1) == 3
+    assert core.alloced_len(a, 1) == 3
     assert core.pool.ref_cnt.tolist() == [0, 1, 0, 0, 0, 0, 0, 0, 0]
     assert core.pool.num_free == 7
     assert_audit(core)
 
 
 def test_alloc_fills_the_tail_of_the_last_page_first(make_core) -> None:
-    core = two_requests(make_core)
-    alloc(core, "a", [1], [3])
-    res = alloc(core, "a", [1], [3])
+    core, a = two_requests(make_core)
+    alloc(core, a, [1], [3])
+    res = alloc(core, a, [1], [3])
     # row 1: [1, 2, 0, 0]  len 6   token 3 at page 1 offset 3, tokens 4, 5 on page 2
     assert statuses(res) == [OK]
     assert res.kv_loc.tolist() == [7, 8, 9]
     assert res.new_pages.tolist() == [2]
     assert row(core, 1) == [1, 2, 0, 0]
-    assert core.alloced_len("a", 1) == 6
+    assert core.alloced_len(a, 1) == 6
     assert_audit(core)
 
 
 def test_need_that_exactly_fills_the_last_page(make_core) -> None:
-    core = two_requests(make_core)
-    alloc(core, "a", [1], [3])
-    res = alloc(core, "a", [1], [1])
+    core, a = two_requests(make_core)
+    alloc(core, a, [1], [3])
+    res = alloc(core, a, [1], [1])
     # row 1: [1, 0, 0, 0]  len 4   page 1 full, no new page
     assert statuses(res) == [OK]
     assert res.kv_loc.tolist() == [7]
     assert res.new_pages.tolist() == []
     assert res.new_page_offsets.tolist() == [0, 0]
     assert row(core, 1) == [1, 0, 0, 0]
-    assert core.alloced_len("a", 1) == 4
+    assert core.alloced_len(a, 1) == 4
     assert core.pool.num_free == 7
     # The next token needs a new page, at offset 0.
-    res = alloc(core, "a", [1], [1])
+    res = alloc(core, a, [1], [1])
     # row 1: [1, 2, 0, 0]  len 5
     assert res.kv_loc.tolist() == [8]
     assert res.new_pages.tolist() == [2]
     assert row(core, 1) == [1, 2, 0, 0]
     # A prefill that ends exactly on a page boundary takes no extra page.
-    res = alloc(core, "a", [2], [8])
+    res = alloc(core, a, [2], [8])
     # row 2: [3, 4, 0, 0]  len 8
     assert res.new_pages.tolist() == [3, 4]
     assert res.kv_loc.tolist() == list(range(12, 20))
@@ -272,32 +278,32 @@ def test_need_that_exactly_fills_the_last_page(make_core) -> None:
 
 
 def test_need_zero(make_core) -> None:
-    core = two_requests(make_core)
+    core, a = two_requests(make_core)
     before = snapshot(core)
-    res = alloc(core, "a", [1], [0])
+    res = alloc(core, a, [1], [0])
     # row 1: [0, 0, 0, 0]  len 0   (no page for zero tokens)
     assert statuses(res) == [OK]
     assert res.kv_loc.tolist() == [] and res.new_pages.tolist() == []
     assert res.kv_loc_offsets.tolist() == [0, 0] and res.new_page_offsets.tolist() == [0, 0]
     assert_unchanged(before, core)
-    alloc(core, "a", [1], [4])
+    alloc(core, a, [1], [4])
     before = snapshot(core)
-    res = alloc(core, "a", [1], [0])  # on a full page: still nothing
+    res = alloc(core, a, [1], [0])  # on a full page: still nothing
     assert statuses(res) == [OK] and res.kv_loc.size == 0 and res.new_pages.size == 0
     assert_unchanged(before, core)
 
 
 def test_multi_page_prefill(make_core) -> None:
-    core = two_requests(make_core)
-    res = alloc(core, "a", [1], [10])
+    core, a = two_requests(make_core)
+    res = alloc(core, a, [1], [10])
     # row 1: [1, 2, 3, 0]  len 10   pages 1, 2 full, page 3 offsets 0, 1
     assert statuses(res) == [OK]
     assert res.kv_loc.tolist() == list(range(4, 14))
     assert res.new_pages.tolist() == [1, 2, 3]
     assert row(core, 1) == [1, 2, 3, 0]
-    assert core.alloced_len("a", 1) == 10
+    assert core.alloced_len(a, 1) == 10
     # Continue mid-page, across two more pages up to the context limit.
-    res = alloc(core, "a", [1], [6])
+    res = alloc(core, a, [1], [6])
     # row 1: [1, 2, 3, 4]  len 16
     assert res.kv_loc.tolist() == [14, 15, 16, 17, 18, 19]
     assert res.new_pages.tolist() == [4]
@@ -307,9 +313,9 @@ def test_multi_page_prefill(make_core) -> None:
 
 def test_batch_of_allocs_in_item_order(make_core) -> None:
     core = make_core()
-    core.add_owner("a")
-    core.open("a", ["r1", "r2", "r3", "r4"])
-    res = alloc(core, "a", [1, 2, 3, 4], [5, 1, 0, 4])
+    a = core.add_owner()
+    core.open(a, ["r1", "r2", "r3", "r4"])
+    res = alloc(core, a, [1, 2, 3, 4], [5, 1, 0, 4])
     check_result_types(res, 4)
     # row 1: [1, 2, 0, 0]  len 5
     # row 2: [3, 0, 0, 0]  len 1
@@ -322,7 +328,7 @@ def test_batch_of_allocs_in_item_order(make_core) -> None:
     assert res.new_page_offsets.tolist() == [0, 2, 3, 3, 4]
     assert [row(core, s) for s in (1, 2, 3, 4)] == [[1, 2, 0, 0], [3, 0, 0, 0], [0, 0, 0, 0], [4, 0, 0, 0]]
     # A decode step (one token each): slots 3 and 4 need a new page, 1 and 2 do not.
-    res = alloc(core, "a", [4, 3, 2, 1], [1, 1, 1, 1])
+    res = alloc(core, a, [4, 3, 2, 1], [1, 1, 1, 1])
     # row 1: [1, 2, 0, 0]  len 6
     # row 2: [3, 0, 0, 0]  len 2
     # row 3: [6, 0, 0, 0]  len 1
@@ -333,19 +339,19 @@ def test_batch_of_allocs_in_item_order(make_core) -> None:
     assert res.kv_loc_offsets.tolist() == [0, 1, 2, 3, 4]
     assert [row(core, s) for s in (1, 2, 3, 4)] == [[1, 2, 0, 0], [3, 0, 0, 0], [6, 0, 0, 0], [4, 5, 0, 0]]
     # A mixed step: nothing, one token, a chunk across a page boundary.
-    res = alloc(core, "a", [1, 2, 3], [0, 1, 6])
+    res = alloc(core, a, [1, 2, 3], [0, 1, 6])
     # row 2: [3, 0, 0, 0]  len 3
     # row 3: [6, 7, 0, 0]  len 7
     assert [kv_of(res, i) for i in range(3)] == [[], [14], [25, 26, 27, 28, 29, 30]]
     assert [pages_of(res, i) for i in range(3)] == [[], [], [7]]
-    assert [core.alloced_len("a", s) for s in (1, 2, 3, 4)] == [6, 3, 7, 5]
+    assert [core.alloced_len(a, s) for s in (1, 2, 3, 4)] == [6, 3, 7, 5]
     assert_audit(core)
 
 
 def test_step_without_items(make_core) -> None:
-    core = two_requests(make_core)
+    core, a = two_requests(make_core)
     before = snapshot(core)
-    res = core.step("a")
+    res = core.step(a, StepBatch())
     check_result_types(res, 0)
     assert res.kv_loc_offsets.tolist() == [0] and res.new_page_offsets.tolist() == [0]
     assert res.num_pages_released == 0
@@ -354,81 +360,87 @@ def test_step_without_items(make_core) -> None:
 
 def test_accepts_lists_tuples_and_integer_arrays(make_core) -> None:
     core = make_core()
-    core.add_owner("a")
-    core.open("a", ["r1", "r2", "r3", "r4"])
+    a = core.add_owner()
+    core.open(a, ["r1", "r2", "r3", "r4"])
     slots = np.array([1, 2], dtype=np.int64)
     needs = np.array([2, 3], dtype=np.int64)
-    res = alloc(core, "a", slots, needs, alloc_expected_lens=np.array([0, -1], dtype=np.int64))
+    res = alloc(core, a, slots, needs, alloc_expected_lens=np.array([0, -1], dtype=np.int64))
     assert statuses(res) == [OK, OK]
     assert slots.tolist() == [1, 2] and needs.tolist() == [2, 3]  # inputs are not modified
-    res = alloc(core, "a", np.array([3], dtype=np.int32), np.array([1], dtype=np.uint8))
+    res = alloc(core, a, np.array([3], dtype=np.int32), np.array([1], dtype=np.uint8))
     assert statuses(res) == [OK]
-    res = alloc(core, "a", (4,), (1,), alloc_expected_lens=(0,))
+    res = alloc(core, a, (4,), (1,), alloc_expected_lens=(0,))
     assert statuses(res) == [OK]
-    res = core.step("a", truncate_slots=np.array([1], dtype=np.int16), truncate_lens=[1])
-    assert core.alloced_len("a", 1) == 1
-    assert [core.alloced_len("a", s) for s in (1, 2, 3, 4)] == [1, 3, 1, 1]
+    res = step(core, a, truncate_slots=np.array([1], dtype=np.int16), truncate_lens=[1])
+    assert core.alloced_len(a, 1) == 1
+    assert [core.alloced_len(a, s) for s in (1, 2, 3, 4)] == [1, 3, 1, 1]
+    # A StepBatch built directly from int64 arrays (what the service passes).
+    one = np.array([1], dtype=np.int64)
+    res = core.step(a, StepBatch(alloc_slots=one, alloc_needs=one, alloc_expected_lens=one))
+    # row 1: [1, 0, 0, 0]  len 2   token 1 at page 1 offset 1
+    assert statuses(res) == [OK] and res.kv_loc.tolist() == [1 * PS + 1]
+    assert [core.alloced_len(a, s) for s in (1, 2, 3, 4)] == [2, 3, 1, 1]
 
 
 # ------------------------------------------------------------ capacity results
 
 
 def test_context_limit(make_core) -> None:
-    core = two_requests(make_core)
+    core, a = two_requests(make_core)
     before = snapshot(core)
-    res = alloc(core, "a", [1], [17])
+    res = alloc(core, a, [1], [17])
     assert statuses(res) == [CONTEXT_TOO_LONG]
     assert res.kv_loc.size == 0 and res.new_pages.size == 0
     assert res.kv_loc_offsets.tolist() == [0, 0] and res.new_page_offsets.tolist() == [0, 0]
     assert_unchanged(before, core)
     # A huge need is a per-item result too, not an error.
-    res = alloc(core, "a", [1], [2**31 - 1])
+    res = alloc(core, a, [1], [2**31 - 1])
     assert statuses(res) == [CONTEXT_TOO_LONG]
     assert_unchanged(before, core)
 
-    alloc(core, "a", [1], [14])
+    alloc(core, a, [1], [14])
     # row 1: [1, 2, 3, 4]  len 14
     before = snapshot(core)
-    res = alloc(core, "a", [1], [3])  # 17 > 16
+    res = alloc(core, a, [1], [3])  # 17 > 16
     assert statuses(res) == [CONTEXT_TOO_LONG]
     assert_unchanged(before, core)
     # Other items of the step are served; the too-long one changes nothing.
-    res = alloc(core, "a", [1, 2], [3, 2])
+    res = alloc(core, a, [1, 2], [3, 2])
     # row 2: [5, 0, 0, 0]  len 2
     assert statuses(res) == [CONTEXT_TOO_LONG, OK]
     assert [kv_of(res, 0), kv_of(res, 1)] == [[], [20, 21]]
-    assert core.alloced_len("a", 1) == 14
-    res = alloc(core, "a", [1], [2])  # exactly max_context_len
+    assert core.alloced_len(a, 1) == 14
+    res = alloc(core, a, [1], [2])  # exactly max_context_len
     # row 1: [1, 2, 3, 4]  len 16
     assert statuses(res) == [OK]
     assert res.kv_loc.tolist() == [18, 19]
-    assert core.alloced_len("a", 1) == 16
+    assert core.alloced_len(a, 1) == 16
     before = snapshot(core)
-    res = alloc(core, "a", [1, 2], [1, 0])
+    res = alloc(core, a, [1, 2], [1, 0])
     assert statuses(res) == [CONTEXT_TOO_LONG, OK]
-    res = alloc(core, "a", [1], [0])  # at the limit, zero tokens still fit
+    res = alloc(core, a, [1], [0])  # at the limit, zero tokens still fit
     assert statuses(res) == [OK]
     assert_unchanged(before, core)
 
 
-def fill_for_out_of_pages(make_core) -> KVCore:
+def fill_for_out_of_pages(make_core) -> tuple[KVCore, int]:
     core = make_core()
-    core.add_owner("a")
-    assert core.open("a", ["r1", "r2", "r3", "r4"]).tolist() == [1, 2, 3, 4]
-    alloc(core, "a", [1, 2], [16, 11])
+    a = core.add_owner()
+    assert core.open(a, ["r1", "r2", "r3", "r4"]).tolist() == [1, 2, 3, 4]
+    alloc(core, a, [1, 2], [16, 11])
     # row 1: [1, 2, 3, 4]  len 16
     # row 2: [5, 6, 7, 0]  len 11
     # free: [8]
     assert [row(core, 1), row(core, 2)] == [[1, 2, 3, 4], [5, 6, 7, 0]]
     assert core.pool.num_free == 1
-    return core
+    return core, a
 
 
 def test_out_of_pages_changes_nothing(make_core) -> None:
-    core = fill_for_out_of_pages(make_core)
+    core, a = fill_for_out_of_pages(make_core)
     before = snapshot(core)
-    lens = [core.alloced_len("a", s) for s in (1, 2, 3, 4)]
-    res = alloc(core, "a", [3], [5])  # two pages, one free
+    lens = [core.alloced_len(a, s) for s in (1, 2, 3, 4)]
+    res = alloc(core, a, [3], [5])  # two pages, one free
     assert statuses(res) == [OUT_OF_PAGES]
     assert res.kv_loc.size == 0 and res.new_pages.size == 0
     assert res.kv_loc_offsets.tolist() == [0, 0] and res.new_page_offsets.tolist() == [0, 0]
@@ -436,12 +448,12 @@ def test_out_of_pages_changes_nothing(make_core) -> None:
     np.testing.assert_array_equal(core.block_table, before["block_table"])
     np.testing.assert_array_equal(core.pool.ref_cnt, before["ref_cnt"])
     assert core.pool.num_free == 1
-    assert [core.alloced_len("a", s) for s in (1, 2, 3, 4)] == lens == [16, 11, 0, 0]
+    assert [core.alloced_len(a, s) for s in (1, 2, 3, 4)] == lens == [16, 11, 0, 0]
 
 
 def test_out_of_pages_admits_later_items_greedily(make_core) -> None:
-    core = fill_for_out_of_pages(make_core)
-    res = alloc(core, "a", [3, 2], [5, 2])
+    core, a = fill_for_out_of_pages(make_core)
+    res = alloc(core, a, [3, 2], [5, 2])
     # item 0 (two pages) fails; item 1 fills page 7's tail and takes the last page:
     # row 2: [5, 6, 7, 8]  len 13
     # row 3: [0, 0, 0, 0]  len 0
@@ -451,46 +463,46 @@ def test_out_of_pages_admits_later_items_greedily(make_core) -> None:
     assert row(core, 2) == [5, 6, 7, 8] and row(core, 3) == [0, 0, 0, 0]
     assert core.pool.num_free == 0
     # Pool empty: a token in a page's tail is still served, a new page is not.
-    res = alloc(core, "a", [3, 2, 4], [1, 1, 0])
+    res = alloc(core, a, [3, 2, 4], [1, 1, 0])
     # row 2: [5, 6, 7, 8]  len 14
     assert statuses(res) == [OUT_OF_PAGES, OK, OK]
     assert res.kv_loc.tolist() == [33]
-    assert [core.alloced_len("a", s) for s in (1, 2, 3, 4)] == [16, 14, 0, 0]
+    assert [core.alloced_len(a, s) for s in (1, 2, 3, 4)] == [16, 14, 0, 0]
 
 
 def test_out_of_pages_first_come_first_served(make_core) -> None:
-    core = fill_for_out_of_pages(make_core)
+    core, a = fill_for_out_of_pages(make_core)
     before = snapshot(core)
-    res = alloc(core, "a", [4, 3], [1, 1])
+    res = alloc(core, a, [4, 3], [1, 1])
     # row 4: [8, 0, 0, 0]  len 1   (slot 3 asked second and gets nothing)
     assert statuses(res) == [OK, OUT_OF_PAGES]
     assert res.kv_loc.tolist() == [32]
     assert row(core, 4) == [8, 0, 0, 0] and row(core, 3) == [0, 0, 0, 0]
-    core.step("a", truncate_slots=[4], truncate_lens=[0])
+    step(core, a, truncate_slots=[4], truncate_lens=[0])
     assert_unchanged(before, core)
 
 
 def test_page_zero_is_never_handed_out(make_core) -> None:
     core = make_core(num_pages=6, page_size=1, max_requests=5, max_context_len=5)
-    core.add_owner("a")
-    core.open("a", ["a", "b", "c", "d", "e"])
+    a = core.add_owner()
+    core.open(a, ["a", "b", "c", "d", "e"])
     taken = []
-    for step in range(5):
-        res = alloc(core, "a", [step + 1], [1])
+    for i in range(5):
+        res = alloc(core, a, [i + 1], [1])
         assert statuses(res) == [OK]
         taken += res.new_pages.tolist()
         assert res.kv_loc.tolist() == res.new_pages.tolist()  # page_size 1: token slot = page
     assert sorted(taken) == [1, 2, 3, 4, 5]
     assert core.pool.ref_cnt[0] == 0 and core.pool.num_free == 0
     assert core.stats().num_used_pages == 5
-    res = alloc(core, "a", [1, 2, 3, 4, 5], [1, 1, 1, 1, 1])
+    res = alloc(core, a, [1, 2, 3, 4, 5], [1, 1, 1, 1, 1])
     assert statuses(res) == [OUT_OF_PAGES] * 5
     assert not core.block_table[0].any()
     # The whole default pool, then nothing more: 0 never appears.
     core = make_core()
-    core.add_owner("a")
-    core.open("a", ["r1", "r2", "r3"])
-    res = alloc(core, "a", [1, 2, 3], [16, 16, 1])
+    a = core.add_owner()
+    core.open(a, ["r1", "r2", "r3"])
+    res = alloc(core, a, [1, 2, 3], [16, 16, 1])
     assert statuses(res) == [OK, OK, OUT_OF_PAGES]
     assert res.new_pages.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert 0 not in core.block_table[1:3]
@@ -499,32 +511,32 @@ def test_page_zero_is_never_handed_out(make_core) -> None:
 
 
 def test_atomic_rollback(make_core) -> None:
-    core = fill_for_out_of_pages(make_core)
+    core, a = fill_for_out_of_pages(make_core)
     # row 1: [1, 2, 3, 4]  len 16
     # row 2: [5, 6, 7, 0]  len 11
     # free: [8]
     before = snapshot(core)
-    res = alloc(core, "a", [2, 3, 4], [1, 1, 1], atomic=True)
+    res = alloc(core, a, [2, 3, 4], [1, 1, 1], atomic=True)
     # 2 fits in page 7's tail, 3 would take page 8, 4 finds none: nothing is applied.
     check_result_types(res, 3)
     assert statuses(res) == [ABORTED, ABORTED, OUT_OF_PAGES]
     assert res.kv_loc.size == 0 and res.new_pages.size == 0
     assert res.kv_loc_offsets.tolist() == [0, 0, 0, 0] and res.new_page_offsets.tolist() == [0, 0, 0, 0]
     assert_unchanged(before, core)
-    res = alloc(core, "a", [2, 1, 3], [1, 1, 0], atomic=True)
+    res = alloc(core, a, [2, 1, 3], [1, 1, 0], atomic=True)
     assert statuses(res) == [ABORTED, CONTEXT_TOO_LONG, ABORTED]
     assert_unchanged(before, core)
     # The same items without atomic: the ones that fit are served.
-    res = alloc(core, "a", [2, 3, 4], [1, 1, 1])
+    res = alloc(core, a, [2, 3, 4], [1, 1, 1])
     assert statuses(res) == [OK, OK, OUT_OF_PAGES]
     assert res.kv_loc.tolist() == [31, 32]
     # row 2: [5, 6, 7, 0]  len 12   row 3: [8, 0, 0, 0]  len 1   free: []
     assert [row(core, 2), row(core, 3)] == [[5, 6, 7, 0], [8, 0, 0, 0]]
-    res = alloc(core, "a", [2, 3], [1, 1], atomic=True)  # 2 needs a page, 3 fits its tail
+    res = alloc(core, a, [2, 3], [1, 1], atomic=True)  # 2 needs a page, 3 fits its tail
     assert statuses(res) == [OUT_OF_PAGES, ABORTED]
-    assert core.alloced_len("a", 3) == 1
+    assert core.alloced_len(a, 3) == 1
     # An atomic step whose items all fit is applied whole.
-    res = alloc(core, "a", [3, 4], [2, 0], atomic=True)
+    res = alloc(core, a, [3, 4], [2, 0], atomic=True)
     # row 3: [8, 0, 0, 0]  len 3
     assert statuses(res) == [OK, OK]
     assert res.kv_loc.tolist() == [33, 34]
@@ -534,9 +546,9 @@ def test_atomic_rollback(make_core) -> None:
 def test_atomic_covers_allocs_only(make_core) -> None:
     """``atomic``: if any alloc item fails none is applied; the step's releases and
     truncates (validated, never capacity-limited) still are."""
-    core = fill_for_out_of_pages(make_core)
-    res = core.step(
-        "a", release_slots=[1], truncate_slots=[2], truncate_lens=[4], alloc_slots=[3, 4], alloc_needs=[1, 17],
+    core, a = fill_for_out_of_pages(make_core)
+    res = step(
+        core, a, release_slots=[1], truncate_slots=[2], truncate_lens=[4], alloc_slots=[3, 4], alloc_needs=[1, 17],
         atomic=True,
     )
     # row 1: released      row 2: [5, 0, 0, 0]  len 4
@@ -544,108 +556,118 @@ def test_atomic_covers_allocs_only(make_core) -> None:
     assert res.num_pages_released == 6
     assert row(core, 1) == [0, 0, 0, 0] and row(core, 2) == [5, 0, 0, 0] and row(core, 3) == [0, 0, 0, 0]
     assert core.pool.num_free == 7
-    assert [core.alloced_len("a", s) for s in (2, 3, 4)] == [4, 0, 0]
+    assert [core.alloced_len(a, s) for s in (2, 3, 4)] == [4, 0, 0]
 
 
 # ------------------------------------------------------------------------ quota
 
 
 def test_quota(make_core) -> None:
+    """The quota is the caller's (the sessions layer keeps it) and comes with each step:
+    q's steps all pass ``quota_pages=Q``."""
+    Q = 3
     core = make_core()
-    core.add_owner("q", quota_pages=3)
-    core.add_owner("free")
-    qa, qb = core.open("q", ["a", "b"]).tolist()
-    (fa,) = core.open("free", ["f"]).tolist()
-    res = alloc(core, "q", [qa], [10])
+    q = core.add_owner()
+    free = core.add_owner()
+    qa, qb = core.open(q, ["a", "b"]).tolist()
+    (fa,) = core.open(free, ["f"]).tolist()
+    res = alloc(core, q, [qa], [10], quota_pages=Q)
     # q: row qa: [1, 2, 3, 0]  len 10   3 of 3 pages
     assert statuses(res) == [OK]
-    res = alloc(core, "q", [qa], [2])  # the tail of page 3, no new page
+    res = alloc(core, q, [qa], [2], quota_pages=Q)  # the tail of page 3, no new page
     assert statuses(res) == [OK] and res.new_pages.size == 0
     usage = {o.owner: o for o in core.stats().owners}
-    assert (usage["q"].num_pages_held, usage["q"].quota_pages, usage["q"].num_requests) == (3, 3, 2)
-    assert (usage["free"].num_pages_held, usage["free"].quota_pages) == (0, None)
+    assert usage[q] == OwnerUsage(owner=q, num_requests=2, num_pages_held=3)
+    assert usage[free] == OwnerUsage(owner=free, num_requests=1, num_pages_held=0)
     before = snapshot(core)
-    res = alloc(core, "q", [qa, qb], [1, 1])  # pages are free (5), the quota is not
+    res = alloc(core, q, [qa, qb], [1, 1], quota_pages=Q)  # pages are free (5), the quota is not
     assert statuses(res) == [QUOTA_EXCEEDED, QUOTA_EXCEEDED]
     assert res.kv_loc.size == 0
     assert_unchanged(before, core)
     # Others are not limited by q's quota.
-    res = alloc(core, "free", [fa], [16])
+    res = alloc(core, free, [fa], [16])
     assert statuses(res) == [OK]
     assert core.pool.num_free == 1
     # Short of both: the quota is reported.
-    res = alloc(core, "q", [qb], [8])
+    res = alloc(core, q, [qb], [8], quota_pages=Q)
     assert statuses(res) == [QUOTA_EXCEEDED]
     # A truncate in the same step gives quota back before the allocs.
-    res = core.step("q", truncate_slots=[qa], truncate_lens=[4], alloc_slots=[qb], alloc_needs=[1])
+    res = step(core, q, Q, truncate_slots=[qa], truncate_lens=[4], alloc_slots=[qb], alloc_needs=[1])
     # q: row qa: [1, 0, 0, 0]  len 4;  row qb: [p, 0, 0, 0]  len 1
     assert statuses(res) == [OK]
     assert res.num_pages_released == 2
     usage = {o.owner: o for o in core.stats().owners}
-    assert usage["q"].num_pages_held == 2 and usage["free"].num_pages_held == 4
+    assert usage[q].num_pages_held == 2 and usage[free].num_pages_held == 4
     assert core.stats().num_used_pages == 6
     assert_audit(core)
+    # The core keeps no quota of its own: the same step without one is served.
+    before = snapshot(core)
+    assert statuses(alloc(core, q, [qb], [8], quota_pages=Q)) == [QUOTA_EXCEEDED]  # 2 + 2 pages > 3
+    assert_unchanged(before, core)
+    assert statuses(alloc(core, q, [qb], [8])) == [OK]
+    assert core.pages_held(q) == 4 and core.pool.num_free == 0
 
 
 def test_quota_is_admitted_greedily_and_exactly(make_core) -> None:
+    Q = 3
     core = make_core()
-    core.add_owner("q", quota_pages=3)
-    core.open("q", ["x", "y", "z"])
-    res = alloc(core, "q", [1, 2, 3], [8, 8, 4])
+    q = core.add_owner()
+    core.open(q, ["x", "y", "z"])
+    res = alloc(core, q, [1, 2, 3], [8, 8, 4], quota_pages=Q)
     # row 1: [1, 2, 0, 0]  len 8   row 2: refused   row 3: [3, 0, 0, 0]  len 4
     assert statuses(res) == [OK, QUOTA_EXCEEDED, OK]
     assert [pages_of(res, i) for i in range(3)] == [[1, 2], [], [3]]
     assert core.stats().owners[0].num_pages_held == 3
-    res = alloc(core, "q", [1, 2, 3], [1, 1, 1], atomic=True)
+    res = alloc(core, q, [1, 2, 3], [1, 1, 1], quota_pages=Q, atomic=True)
     assert statuses(res) == [QUOTA_EXCEEDED, QUOTA_EXCEEDED, QUOTA_EXCEEDED]
-    core.step("q", release_slots=[3])
-    res = alloc(core, "q", [2, 1], [1, 1], atomic=True)
+    step(core, q, Q, release_slots=[3])
+    res = alloc(core, q, [2, 1], [1, 1], quota_pages=Q, atomic=True)
     assert statuses(res) == [ABORTED, QUOTA_EXCEEDED]
     assert core.stats().owners[0].num_pages_held == 2
-    core.add_owner("zero", quota_pages=0)
-    (z,) = core.open("zero", ["z"]).tolist()
-    assert statuses(alloc(core, "zero", [z], [0])) == [OK]
-    assert statuses(alloc(core, "zero", [z], [1])) == [QUOTA_EXCEEDED]
-    assert core.alloced_len("zero", z) == 0
+    zero = core.add_owner()  # its steps pass quota_pages=0
+    (z,) = core.open(zero, ["z"]).tolist()
+    assert statuses(alloc(core, zero, [z], [0], quota_pages=0)) == [OK]
+    assert statuses(alloc(core, zero, [z], [1], quota_pages=0)) == [QUOTA_EXCEEDED]
+    assert core.alloced_len(zero, z) == 0
 
 
 # --------------------------------------------------------------------- truncate
 
 
-def ten_tokens(make_core) -> KVCore:
-    core = two_requests(make_core)
-    alloc(core, "a", [1, 2], [10, 2])
+def ten_tokens(make_core) -> tuple[KVCore, int]:
+    core, a = two_requests(make_core)
+    alloc(core, a, [1, 2], [10, 2])
     # row 1: [1, 2, 3, 0]  len 10
     # row 2: [4, 0, 0, 0]  len 2
     assert [row(core, 1), row(core, 2)] == [[1, 2, 3, 0], [4, 0, 0, 0]]
-    return core
+    return core, a
 
 
 def test_truncate_to_zero(make_core) -> None:
-    core = ten_tokens(make_core)
-    res = core.step("a", truncate_slots=[1], truncate_lens=[0])
+    core, a = ten_tokens(make_core)
+    res = step(core, a, truncate_slots=[1], truncate_lens=[0])
     # row 1: [0, 0, 0, 0]  len 0   (still open)
     assert res.num_pages_released == 3 and res.alloc_status.size == 0
     assert row(core, 1) == [0, 0, 0, 0]
-    assert core.alloced_len("a", 1) == 0
+    assert core.alloced_len(a, 1) == 0
     assert core.pool.ref_cnt[1:4].tolist() == [0, 0, 0]
     assert core.pool.num_free == 7
     assert core.stats().num_open_requests == 2
-    res = alloc(core, "a", [1], [1])
+    res = alloc(core, a, [1], [1])
     assert res.new_pages.size == 1 and res.new_pages[0] in (1, 2, 3)
     assert res.kv_loc.tolist() == [res.new_pages[0] * PS]
     assert_audit(core)
 
 
 def test_truncate_to_a_page_boundary(make_core) -> None:
-    core = ten_tokens(make_core)
-    res = core.step("a", truncate_slots=[1], truncate_lens=[8])
+    core, a = ten_tokens(make_core)
+    res = step(core, a, truncate_slots=[1], truncate_lens=[8])
     # row 1: [1, 2, 0, 0]  len 8   page 3 dropped
     assert res.num_pages_released == 1
     assert row(core, 1) == [1, 2, 0, 0]
-    assert core.alloced_len("a", 1) == 8
+    assert core.alloced_len(a, 1) == 8
     assert core.pool.ref_cnt[3] == 0 and core.pool.num_free == 5
-    res = alloc(core, "a", [1], [1])  # token 8 starts a new page at offset 0
+    res = alloc(core, a, [1], [1])  # token 8 starts a new page at offset 0
     (page,) = res.new_pages.tolist()
     assert row(core, 1) == [1, 2, page, 0]
     assert res.kv_loc.tolist() == [page * PS]
@@ -653,25 +675,25 @@ def test_truncate_to_a_page_boundary(make_core) -> None:
 
 
 def test_truncate_to_mid_page(make_core) -> None:
-    core = ten_tokens(make_core)
-    res = core.step("a", truncate_slots=[1], truncate_lens=[5])
+    core, a = ten_tokens(make_core)
+    res = step(core, a, truncate_slots=[1], truncate_lens=[5])
     # row 1: [1, 2, 0, 0]  len 5   page 2 keeps offset 0 only
     assert res.num_pages_released == 1
     assert row(core, 1) == [1, 2, 0, 0]
-    assert core.alloced_len("a", 1) == 5
-    res = alloc(core, "a", [1], [2])  # reuses page 2 offsets 1, 2
+    assert core.alloced_len(a, 1) == 5
+    res = alloc(core, a, [1], [2])  # reuses page 2 offsets 1, 2
     # row 1: [1, 2, 0, 0]  len 7
     assert res.kv_loc.tolist() == [9, 10] and res.new_pages.size == 0
     assert_audit(core)
 
 
 def test_truncate_to_the_same_length_and_several_slots(make_core) -> None:
-    core = ten_tokens(make_core)
+    core, a = ten_tokens(make_core)
     before = snapshot(core)
-    res = core.step("a", truncate_slots=[1, 2], truncate_lens=[10, 2])
+    res = step(core, a, truncate_slots=[1, 2], truncate_lens=[10, 2])
     assert res.num_pages_released == 0
     assert_unchanged(before, core)
-    res = core.step("a", truncate_slots=[2, 1], truncate_lens=[0, 1])
+    res = step(core, a, truncate_slots=[2, 1], truncate_lens=[0, 1])
     # row 1: [1, 0, 0, 0]  len 1   row 2: [0, 0, 0, 0]  len 0
     assert res.num_pages_released == 3
     assert [row(core, 1), row(core, 2)] == [[1, 0, 0, 0], [0, 0, 0, 0]]
@@ -679,8 +701,8 @@ def test_truncate_to_the_same_length_and_several_slots(make_core) -> None:
 
 
 def test_truncate_and_alloc_the_same_slot_in_one_step(make_core) -> None:
-    core = ten_tokens(make_core)
-    res = core.step("a", truncate_slots=[1], truncate_lens=[6], alloc_slots=[1], alloc_needs=[3])
+    core, a = ten_tokens(make_core)
+    res = step(core, a, truncate_slots=[1], truncate_lens=[6], alloc_slots=[1], alloc_needs=[3])
     # after the truncate: row 1: [1, 2, 0, 0]  len 6
     # after the alloc:    row 1: [1, 2, p, 0]  len 9   tokens 6, 7 on page 2, 8 on p
     assert statuses(res) == [OK]
@@ -688,18 +710,19 @@ def test_truncate_and_alloc_the_same_slot_in_one_step(make_core) -> None:
     (page,) = res.new_pages.tolist()
     assert row(core, 1) == [1, 2, page, 0]
     assert res.kv_loc.tolist() == [10, 11, page * PS]
-    assert core.alloced_len("a", 1) == 9
+    assert core.alloced_len(a, 1) == 9
     # alloc_expected_lens is the length the alloc starts from: after the truncate.
-    res = core.step(
-        "a", truncate_slots=[1], truncate_lens=[2], alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[2]
+    res = step(
+        core, a, truncate_slots=[1], truncate_lens=[2], alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[2]
     )
     # row 1: [1, 0, 0, 0]  len 3
     assert statuses(res) == [OK] and res.kv_loc.tolist() == [6]
     before = snapshot(core)
     err = raises(
         Reason.ALLOCED_LEN_MISMATCH,
-        core.step,
-        "a",
+        step,
+        core,
+        a,
         truncate_slots=[1],
         truncate_lens=[1],
         alloc_slots=[1],
@@ -714,8 +737,8 @@ def test_truncate_and_alloc_the_same_slot_in_one_step(make_core) -> None:
 
 
 def test_release_and_reuse_of_a_slot(make_core) -> None:
-    core = ten_tokens(make_core)
-    res = core.step("a", release_slots=[1])
+    core, a = ten_tokens(make_core)
+    res = step(core, a, release_slots=[1])
     # row 1: [0, 0, 0, 0]  closed   row 2: [4, 0, 0, 0]  len 2
     assert res.num_pages_released == 3 and res.alloc_status.size == 0
     assert row(core, 1) == [0, 0, 0, 0] and row(core, 2) == [4, 0, 0, 0]
@@ -724,23 +747,23 @@ def test_release_and_reuse_of_a_slot(make_core) -> None:
     stats = core.stats()
     assert (stats.num_open_requests, stats.num_free_request_slots) == (1, 3)
     assert stats.owners[0].num_requests == 1 and stats.owners[0].num_pages_held == 1
-    raises(Reason.SLOT_NOT_FOUND, core.alloced_len, "a", 1)
+    raises(Reason.SLOT_NOT_FOUND, core.alloced_len, a, 1)
     before = snapshot(core)
-    raises(Reason.SLOT_NOT_FOUND, core.step, "a", release_slots=[1])  # released twice
+    raises(Reason.SLOT_NOT_FOUND, step, core, a, release_slots=[1])  # released twice
     assert_unchanged(before, core)
     # The slot comes back for a new request (even one reusing the old id), empty.
-    (slot,) = core.open("a", ["r1"]).tolist()
+    (slot,) = core.open(a, ["r1"]).tolist()
     assert slot == 1
-    assert core.alloced_len("a", slot) == 0 and row(core, slot) == [0, 0, 0, 0]
-    res = alloc(core, "a", [slot], [5])
+    assert core.alloced_len(a, slot) == 0 and row(core, slot) == [0, 0, 0, 0]
+    res = alloc(core, a, [slot], [5])
     assert res.new_pages.size == 2 and set(res.new_pages.tolist()) <= {1, 2, 3, 5, 6, 7, 8}
     assert row(core, slot) == res.new_pages.tolist() + [0, 0]
     assert_audit(core)
 
 
 def test_release_frees_pages_for_the_allocs_of_the_same_step(make_core) -> None:
-    core = fill_for_out_of_pages(make_core)
-    res = core.step("a", release_slots=[1], alloc_slots=[3, 4], alloc_needs=[16, 4])
+    core, a = fill_for_out_of_pages(make_core)
+    res = step(core, a, release_slots=[1], alloc_slots=[3, 4], alloc_needs=[16, 4])
     # row 1: closed   row 3: four pages among 1..4 and 8   row 4: the fifth
     assert statuses(res) == [OK, OK]
     assert res.num_pages_released == 4
@@ -750,14 +773,14 @@ def test_release_frees_pages_for_the_allocs_of_the_same_step(make_core) -> None:
 
 
 def test_release_several_and_count(make_core) -> None:
-    core = ten_tokens(make_core)
-    res = core.step("a", release_slots=[2, 1])
+    core, a = ten_tokens(make_core)
+    res = step(core, a, release_slots=[2, 1])
     assert res.num_pages_released == 4
     assert not core.block_table.any()
     assert core.pool.num_free == 8 and not core.pool.ref_cnt.any()
     assert core.stats().num_open_requests == 0 and core.stats().owners[0].num_pages_held == 0
     # A released request id is a new request when opened again.
-    assert core.open("a", ["r2", "r1"]).tolist() == [1, 2]
+    assert core.open(a, ["r2", "r1"]).tolist() == [1, 2]
 
 
 # ------------------------------------------------------------------------- open
@@ -765,41 +788,41 @@ def test_release_several_and_count(make_core) -> None:
 
 def test_open_is_idempotent_per_request_id(make_core) -> None:
     core = make_core()
-    core.add_owner("a")
-    core.add_owner("b")
-    slots = core.open("a", ["r1", "r2"])
+    a = core.add_owner()
+    b = core.add_owner()
+    slots = core.open(a, ["r1", "r2"])
     assert slots.dtype == np.int32 and slots.tolist() == [1, 2]
-    assert core.open("a", ["r2", "r1"]).tolist() == [2, 1]
-    assert core.open("a", ["r3", "r3", "r1"]).tolist() == [3, 3, 1]
-    assert core.open("b", ["r1"]).tolist() == [4]  # the same id of another owner is another request
-    assert core.open("a", []).tolist() == []
+    assert core.open(a, ["r2", "r1"]).tolist() == [2, 1]
+    assert core.open(a, ["r3", "r3", "r1"]).tolist() == [3, 3, 1]
+    assert core.open(b, ["r1"]).tolist() == [4]  # the same id of another owner is another request
+    assert core.open(a, []).tolist() == []
     stats = core.stats()
     assert (stats.num_open_requests, stats.num_free_request_slots) == (4, 0)
-    assert {o.owner: o.num_requests for o in stats.owners} == {"a": 3, "b": 1}
+    assert {o.owner: o.num_requests for o in stats.owners} == {a: 3, b: 1}
     # Reopening existing ids needs no free slot.
-    assert core.open("a", ["r1", "r2", "r3"]).tolist() == [1, 2, 3]
+    assert core.open(a, ["r1", "r2", "r3"]).tolist() == [1, 2, 3]
 
 
 def test_open_without_a_free_slot_opens_nothing(make_core) -> None:
     core = make_core()
-    core.add_owner("a")
-    core.open("a", ["r1", "r2", "r3"])
+    a = core.add_owner()
+    core.open(a, ["r1", "r2", "r3"])
     before = snapshot(core)
-    err = raises(Reason.NO_FREE_REQUEST_SLOT, core.open, "a", ["r1", "n1", "n2"])
+    err = raises(Reason.NO_FREE_REQUEST_SLOT, core.open, a, ["r1", "n1", "n2"])
     assert err.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert "request slot" in str(err) and "2 new request(s)" in str(err) and "1 of 4" in str(err)
     assert err.metadata == {"requested": "2", "free": "1"}
     assert_unchanged(before, core)
-    assert core.open("a", ["r1", "n1", "n1"]).tolist() == [1, 4, 4]
-    raises(Reason.NO_FREE_REQUEST_SLOT, core.open, "a", ["n2"])
+    assert core.open(a, ["r1", "n1", "n1"]).tolist() == [1, 4, 4]
+    raises(Reason.NO_FREE_REQUEST_SLOT, core.open, a, ["n2"])
 
 
 @pytest.mark.parametrize("bad", ["", 5, None, b"x"])
 def test_open_rejects_bad_request_ids(make_core, bad) -> None:
     core = make_core()
-    core.add_owner("a")
+    a = core.add_owner()
     before = snapshot(core)
-    err = raises(Reason.BAD_VALUE, core.open, "a", ["ok", bad])
+    err = raises(Reason.BAD_VALUE, core.open, a, ["ok", bad])
     assert "#1" in str(err) and repr(bad) in str(err)
     assert_unchanged(before, core)
 
@@ -816,7 +839,7 @@ def test_pool_unref_detects_double_free() -> None:
     assert pool.unref(np.zeros(0, dtype=np.int32)) == 0
 
     def frozen() -> tuple:
-        return pool.ref_cnt.tolist(), pool.num_free, pool._free[: pool.num_free].tolist()
+        return pool.ref_cnt.tolist(), pool.num_free, pool.free_pages().tolist()
 
     before = frozen()
     for bad, named in [
@@ -838,14 +861,14 @@ def test_pool_unref_detects_double_free() -> None:
     pool.ref_cnt[3] = 2
     assert pool.unref(np.array([3, 1, 3], dtype=np.int32)) == 2
     assert pool.num_free == 5 and not pool.ref_cnt.any()
-    assert sorted(pool._free[: pool.num_free].tolist()) == [1, 2, 3, 4, 5]
+    assert sorted(pool.free_pages().tolist()) == [1, 2, 3, 4, 5]
     with pytest.raises(CorruptionError):
         pool.take(6)
 
 
 def test_double_free_through_the_core_changes_nothing(make_core) -> None:
-    core = ten_tokens(make_core)
-    core.step("a", release_slots=[1])
+    core, a = ten_tokens(make_core)
+    step(core, a, release_slots=[1])
     # pages 1, 2, 3 are free; page 4 is row 2's
     before = snapshot(core)
     for bad in ([1], [4, 2], [4, 4]):
@@ -858,51 +881,72 @@ def test_double_free_through_the_core_changes_nothing(make_core) -> None:
 # ------------------------------------------------------------------- owners
 
 
-def test_add_owner_validation(make_core) -> None:
+def test_add_owner_mints_distinct_small_integers(make_core) -> None:
     core = make_core()
-    core.add_owner("a", quota_pages=0)
+    owners = [core.add_owner() for _ in range(3)]
+    assert all(isinstance(o, int) and o >= 1 for o in owners)
+    assert len(set(owners)) == 3 and all(core.has_owner(o) for o in owners)
+    assert {o.owner for o in core.stats().owners} == set(owners)
+
+
+def test_attach_validates_the_quota() -> None:
+    """Quotas are the sessions layer's: a bad one is refused there, nothing registered."""
+    sessions = Sessions(CoreConfig(9, PS, 4, 16), lease_s=10.0, audit_every_step=True)
+    core = sessions.core
+    zero = sessions.attach("a", 0)
+    assert zero.quota_pages == 0 and core.has_owner(zero.owner)
     before = snapshot(core)
-    err = raises(Reason.BAD_VALUE, core.add_owner, "a")
-    assert "'a'" in str(err)
-    err = raises(Reason.BAD_VALUE, core.add_owner, "b", quota_pages=-1)
+    sessions_before = dict(sessions.by_id)
+    err = raises(Reason.BAD_VALUE, sessions.attach, "b", -1)
     assert "-1" in str(err)
-    raises(Reason.BAD_VALUE, core.add_owner, "b", quota_pages=1.5)
+    raises(Reason.BAD_VALUE, sessions.attach, "b", 1.5)
     assert_unchanged(before, core)
-    assert not core.has_owner("b") and core.has_owner("a")
+    assert sessions.by_id == sessions_before
+    assert set(core.slots.owners) == {zero.owner}
+    # A good quota (or none) after the refusals registers exactly one owner each.
+    b = sessions.attach("b", 2)
+    unlimited = sessions.attach("c", None)
+    assert (b.quota_pages, unlimited.quota_pages) == (2, None)
+    assert set(core.slots.owners) == {zero.owner, b.owner, unlimited.owner}
+    assert set(sessions.by_id) == {zero.session_id, b.session_id, unlimited.session_id}
 
 
 def test_remove_owner_releases_everything(make_core) -> None:
     core = make_core()
-    core.add_owner("a")
-    core.add_owner("b", quota_pages=4)
-    core.open("a", ["r1", "r2"])
-    core.open("b", ["r1"])
-    alloc(core, "a", [1, 2], [5, 9])
-    alloc(core, "b", [3], [3])
+    a = core.add_owner()
+    b = core.add_owner()  # with a quota of 4 pages
+    core.open(a, ["r1", "r2"])
+    core.open(b, ["r1"])
+    alloc(core, a, [1, 2], [5, 9])
+    alloc(core, b, [3], [3], quota_pages=4)
     # a: row 1: [1, 2, 0, 0]  len 5;  row 2: [3, 4, 5, 0]  len 9
     # b: row 3: [6, 0, 0, 0]  len 3
-    assert core.remove_owner("a") == 2
-    assert not core.has_owner("a")
+    assert core.remove_owner(a) == 2
+    assert not core.has_owner(a)
     assert not core.block_table[[1, 2]].any()
-    assert row(core, 3) == [6, 0, 0, 0] and core.alloced_len("b", 3) == 3
+    assert row(core, 3) == [6, 0, 0, 0] and core.alloced_len(b, 3) == 3
     assert core.pool.ref_cnt.tolist() == [0, 0, 0, 0, 0, 0, 1, 0, 0]
     stats = core.stats()
     assert stats.num_free_pages == 7 and stats.num_open_requests == 1 and stats.num_free_request_slots == 3
-    assert [(o.owner, o.num_requests, o.num_pages_held, o.quota_pages) for o in stats.owners] == [("b", 1, 1, 4)]
+    assert [(o.owner, o.num_requests, o.num_pages_held) for o in stats.owners] == [(b, 1, 1)]
     assert_audit(core)
     before = snapshot(core)
-    err = raises(Reason.UNKNOWN_SESSION, core.step, "a", release_slots=[1])
-    assert "'a'" in str(err)
-    raises(Reason.UNKNOWN_SESSION, core.alloced_len, "a", 1)
-    raises(Reason.UNKNOWN_SESSION, core.open, "a", ["r1"])
-    raises(Reason.UNKNOWN_SESSION, core.remove_owner, "a")
+    err = raises(Reason.UNKNOWN_SESSION, step, core, a, release_slots=[1])
+    assert str(err) == f"unknown owner {a}"
+    raises(Reason.UNKNOWN_SESSION, core.alloced_len, a, 1)
+    raises(Reason.UNKNOWN_SESSION, core.open, a, ["r1"])
+    raises(Reason.UNKNOWN_SESSION, core.remove_owner, a)
+    raises(Reason.UNKNOWN_SESSION, core.pages_held, a)
+    raises(Reason.UNKNOWN_SESSION, core.slots_of, a)
     assert_unchanged(before, core)
-    # The name may come back: a new owner with nothing.
-    core.add_owner("a")
-    (slot,) = core.open("a", ["r1"]).tolist()
-    assert core.alloced_len("a", slot) == 0 and row(core, slot) == [0, 0, 0, 0]
-    assert core.remove_owner("b") == 1
-    assert core.remove_owner("a") == 1
+    # A new owner gets a new index (never a removed one's) and starts with nothing.
+    c = core.add_owner()
+    assert c not in (a, b) and not core.has_owner(a)
+    (slot,) = core.open(c, ["r1"]).tolist()
+    assert core.alloced_len(c, slot) == 0 and row(core, slot) == [0, 0, 0, 0]
+    assert core.pages_held(c) == 0 and core.slots_of(c).tolist() == [slot]
+    assert core.remove_owner(b) == 1
+    assert core.remove_owner(c) == 1
     assert not core.block_table.any() and core.pool.num_free == 8
     assert core.stats().num_free_request_slots == 4
 
@@ -912,17 +956,17 @@ def test_remove_owner_releases_everything(make_core) -> None:
 
 def test_another_owners_slot_is_not_found_exactly_like_a_closed_one(make_core) -> None:
     core = make_core()
-    core.add_owner("a")
-    core.add_owner("b")
-    (slot,) = core.open("a", ["secret"]).tolist()
-    alloc(core, "a", [slot], [6])
-    core.open("b", ["mine"])
+    a = core.add_owner()
+    b = core.add_owner()
+    (slot,) = core.open(a, ["secret"]).tolist()
+    alloc(core, a, [slot], [6])
+    core.open(b, ["mine"])
     calls = [
-        lambda: core.step("b", release_slots=[slot]),
-        lambda: core.step("b", truncate_slots=[slot], truncate_lens=[0]),
-        lambda: core.step("b", alloc_slots=[slot], alloc_needs=[1]),
-        lambda: core.step("b", alloc_slots=[slot], alloc_needs=[1], alloc_expected_lens=[6]),
-        lambda: core.alloced_len("b", slot),
+        lambda: step(core, b, release_slots=[slot]),
+        lambda: step(core, b, truncate_slots=[slot], truncate_lens=[0]),
+        lambda: step(core, b, alloc_slots=[slot], alloc_needs=[1]),
+        lambda: step(core, b, alloc_slots=[slot], alloc_needs=[1], alloc_expected_lens=[6]),
+        lambda: core.alloced_len(b, slot),
     ]
     before = snapshot(core)
     foreign = []
@@ -931,7 +975,7 @@ def test_another_owners_slot_is_not_found_exactly_like_a_closed_one(make_core) -
         assert f"slot {slot}" in str(err)
         foreign.append((str(err), err.metadata))
     assert_unchanged(before, core)
-    core.step("a", release_slots=[slot])
+    step(core, a, release_slots=[slot])
     closed = [(str(err), err.metadata) for err in (raises(Reason.SLOT_NOT_FOUND, call) for call in calls)]
     assert closed == foreign
 
@@ -939,25 +983,27 @@ def test_another_owners_slot_is_not_found_exactly_like_a_closed_one(make_core) -
 # ---------------------------------------------------------------- validation
 
 
-def validation_state(make_core) -> KVCore:
+def validation_state(make_core) -> tuple[KVCore, int, int]:
     core = make_core()
-    core.add_owner("a")
-    core.add_owner("b")
-    assert core.open("a", ["r1", "r2"]).tolist() == [1, 2]
-    assert core.open("b", ["r3"]).tolist() == [3]
-    alloc(core, "a", [1], [6])
-    alloc(core, "b", [3], [1])
+    a = core.add_owner()
+    b = core.add_owner()
+    assert core.open(a, ["r1", "r2"]).tolist() == [1, 2]
+    assert core.open(b, ["r3"]).tolist() == [3]
+    alloc(core, a, [1], [6])
+    alloc(core, b, [3], [1])
     # a: row 1: [1, 2, 0, 0]  len 6;  row 2: [0, 0, 0, 0]  len 0
     # b: row 3: [3, 0, 0, 0]  len 1
     # slot 4 closed
     assert [row(core, s) for s in (1, 2, 3, 4)] == [[1, 2, 0, 0], [0, 0, 0, 0], [3, 0, 0, 0], [0, 0, 0, 0]]
-    return core
+    return core, a, b
 
 
 BIG = 2**40
+NOBODY = 1000  # an owner index the core never handed out
 INVALID_STEPS = [
-    # (id, owner, step kwargs, reason, fragments the message must contain)
-    ("unknown-owner", "nobody", dict(alloc_slots=[1], alloc_needs=[1]), Reason.UNKNOWN_SESSION, ["'nobody'"]),
+    # (id, owner ("a", or "nobody": NOBODY), step kwargs, reason, fragments the message must contain)
+    ("unknown-owner", "nobody", dict(alloc_slots=[1], alloc_needs=[1]), Reason.UNKNOWN_SESSION,
+     [f"unknown owner {NOBODY}"]),
     ("release-closed", "a", dict(release_slots=[4]), Reason.SLOT_NOT_FOUND, ["release_slots[0]", "slot 4"]),
     ("truncate-closed", "a", dict(truncate_slots=[4], truncate_lens=[0]), Reason.SLOT_NOT_FOUND,
      ["truncate_slots[0]", "slot 4"]),
@@ -1057,50 +1103,50 @@ INVALID_STEPS = [
 )
 @pytest.mark.parametrize("atomic", [False, True])
 def test_invalid_step_raises_and_changes_nothing(make_core, owner, kwargs, reason, fragments, atomic) -> None:
-    core = validation_state(make_core)
+    core, a, b = validation_state(make_core)
     before = snapshot(core)
-    lens = [core.alloced_len("a", 1), core.alloced_len("a", 2), core.alloced_len("b", 3)]
-    err = raises(reason, core.step, owner, atomic=atomic, **kwargs)
+    lens = [core.alloced_len(a, 1), core.alloced_len(a, 2), core.alloced_len(b, 3)]
+    err = raises(reason, step, core, {"a": a, "nobody": NOBODY}[owner], atomic=atomic, **kwargs)
     message = str(err)
     assert message == err.message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
     assert_unchanged(before, core)
-    assert [core.alloced_len("a", 1), core.alloced_len("a", 2), core.alloced_len("b", 3)] == lens == [6, 0, 1]
+    assert [core.alloced_len(a, 1), core.alloced_len(a, 2), core.alloced_len(b, 3)] == lens == [6, 0, 1]
 
 
 def test_error_metadata_names_the_item(make_core) -> None:
-    core = validation_state(make_core)
-    err = raises(Reason.SLOT_NOT_FOUND, core.step, "a", alloc_slots=[2, 4], alloc_needs=[1, 1])
+    core, a, _ = validation_state(make_core)
+    err = raises(Reason.SLOT_NOT_FOUND, step, core, a, alloc_slots=[2, 4], alloc_needs=[1, 1])
     assert err.metadata == {"index": "1", "slot": "4"}
-    err = raises(Reason.TRUNCATE_BEYOND_ALLOCED, core.step, "a", truncate_slots=[1], truncate_lens=[9])
+    err = raises(Reason.TRUNCATE_BEYOND_ALLOCED, step, core, a, truncate_slots=[1], truncate_lens=[9])
     assert err.metadata == {"index": "0", "slot": "1", "alloced_len": "6"}
-    err = raises(Reason.ALLOCED_LEN_MISMATCH, core.step, "a", alloc_slots=[1], alloc_needs=[0], alloc_expected_lens=[0])
+    err = raises(Reason.ALLOCED_LEN_MISMATCH, step, core, a, alloc_slots=[1], alloc_needs=[0], alloc_expected_lens=[0])
     assert err.metadata == {"index": "0", "slot": "1", "alloced_len": "6"}
-    err = raises(Reason.UNKNOWN_SESSION, core.step, "zz")
-    assert err.metadata == {"owner": "zz"}
-    assert repr(err) == "KVMemError(UNKNOWN_SESSION, \"unknown owner 'zz'\")"
+    err = raises(Reason.UNKNOWN_SESSION, core.step, NOBODY, StepBatch())
+    assert err.metadata == {"owner": str(NOBODY)}
+    assert repr(err) == f"KVMemError(UNKNOWN_SESSION, 'unknown owner {NOBODY}')"
 
 
 def test_expected_lens_that_match_or_are_absent(make_core) -> None:
-    core = validation_state(make_core)
-    res = alloc(core, "a", [1, 2], [1, 1], alloc_expected_lens=[6, 0])
+    core, a, _ = validation_state(make_core)
+    res = alloc(core, a, [1, 2], [1, 1], alloc_expected_lens=[6, 0])
     assert statuses(res) == [OK, OK]
-    res = alloc(core, "a", [1, 2], [1, 1], alloc_expected_lens=[-1, 1])  # -1: no expectation
+    res = alloc(core, a, [1, 2], [1, 1], alloc_expected_lens=[-1, 1])  # -1: no expectation
     assert statuses(res) == [OK, OK]
-    res = alloc(core, "a", [1, 2], [1, 1], alloc_expected_lens=[])  # empty: none at all
+    res = alloc(core, a, [1, 2], [1, 1], alloc_expected_lens=[])  # empty: none at all
     assert statuses(res) == [OK, OK]
-    assert [core.alloced_len("a", 1), core.alloced_len("a", 2)] == [9, 3]
+    assert [core.alloced_len(a, 1), core.alloced_len(a, 2)] == [9, 3]
     # A failed item with a right expectation is still a result, not an error.
-    res = alloc(core, "a", [1], [8], alloc_expected_lens=[9])
+    res = alloc(core, a, [1], [8], alloc_expected_lens=[9])
     assert statuses(res) == [CONTEXT_TOO_LONG]
 
 
 @pytest.mark.parametrize("slot", [0, 4, 3, 5, -1, BIG])
 def test_alloced_len_of_a_slot_not_open_here(make_core, slot) -> None:
-    core = validation_state(make_core)
-    assert core.alloced_len("a", 1) == 6 and core.alloced_len("a", 2) == 0 and core.alloced_len("b", 3) == 1
-    err = raises(Reason.SLOT_NOT_FOUND, core.alloced_len, "a", slot)
+    core, a, b = validation_state(make_core)
+    assert core.alloced_len(a, 1) == 6 and core.alloced_len(a, 2) == 0 and core.alloced_len(b, 3) == 1
+    err = raises(Reason.SLOT_NOT_FOUND, core.alloced_len, a, slot)
     assert f"slot {slot}" in str(err)
     assert str(err) == f"request slot {slot} is not open in this session"
 
@@ -1122,19 +1168,21 @@ def _corrupt_row_tail(core: KVCore) -> None:
 
 
 def _corrupt_slot_stack_repeat(core: KVCore) -> None:
-    core._free_slots[1] = core._free_slots[0]
+    free = core.slots.free_slots()  # a view
+    free[1] = free[0]
 
 
 def _corrupt_slot_stack_open(core: KVCore) -> None:
-    core._free_slots[0] = 1  # slot 1 is open
+    core.slots.free_slots()[0] = 1  # slot 1 is open
 
 
 def _corrupt_slot_stack_range(core: KVCore) -> None:
-    core._free_slots[0] = 0
+    core.slots.free_slots()[0] = 0
 
 
 def _corrupt_owner_count(core: KVCore) -> None:
-    core._owners["a"].num_pages_held += 1
+    (owner,) = core.slots.owners.values()
+    owner.num_pages_held += 1
 
 
 @pytest.mark.parametrize(
@@ -1146,18 +1194,52 @@ def _corrupt_owner_count(core: KVCore) -> None:
         (_corrupt_slot_stack_repeat, "free request slot stack holds open or repeated slots"),
         (_corrupt_slot_stack_open, "free request slot stack holds open or repeated slots"),
         (_corrupt_slot_stack_range, "free request slot stack holds slots outside [1, max_requests]"),
-        (_corrupt_owner_count, "owner 'a' holds 4 pages by its count, 3 by its rows"),
+        (_corrupt_owner_count, "owner {a} holds 4 pages by its count, 3 by its rows"),
     ],
 )
 def test_audit_names_each_broken_invariant(corrupt, problem) -> None:
-    core = KVCore(CoreConfig(9, PS, 4, 16))
-    core.debug = False  # the corruption is made by hand; the audit is what is under test
-    core.add_owner("a")
-    slots = core.open("a", ["r1", "r2"])
-    assert statuses(alloc(core, "a", slots, [9, 2])) == [OK, OK]  # 3 + 1 pages
-    core.step("a", release_slots=[2])  # slot 2 back on the free stack
+    # No audit after each step: the corruption is made by hand; the audit is what is under test.
+    core = KVCore(CoreConfig(9, PS, 4, 16), audit_every_step=False)
+    a = core.add_owner()
+    slots = core.open(a, ["r1", "r2"])
+    assert statuses(alloc(core, a, slots, [9, 2])) == [OK, OK]  # 3 + 1 pages
+    step(core, a, release_slots=[2])  # slot 2 back on the free stack
     assert core.audit().ok, core.audit().problems
     corrupt(core)
     report = core.audit()
     assert not report.ok
+    problem = problem.format(a=a)
     assert any(problem in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("audit_every_step", [False, True])
+def test_audit_every_step_is_the_constructors_switch(monkeypatch: pytest.MonkeyPatch, audit_every_step) -> None:
+    """With ``audit_every_step`` every mutating call audits the pool and raises
+    CorruptionError on a broken invariant (after applying the call); without it none
+    does. The core reads no environment: ``KVMEM_DEBUG=1`` changes nothing."""
+    monkeypatch.setenv("KVMEM_DEBUG", "1")
+    core = KVCore(CoreConfig(9, PS, 4, 16), audit_every_step=audit_every_step)
+    assert core.audit_every_step is audit_every_step
+    a = core.add_owner()
+    assert core.open(a, ["r1", "r2"]).tolist() == [1, 2]
+    assert statuses(alloc(core, a, [1], [9])) == [OK]
+    # row 1: [1, 2, 3, 0]  len 9   free stack [8, 7, 6, 5, 4]: now [8, 7, 6, 5, 5]
+    _corrupt_free_stack_twice(core)
+    calls = [
+        lambda: core.step(a, StepBatch()),  # no items
+        lambda: alloc(core, a, [2], [0]),  # the general path
+        lambda: alloc(core, a, [1], [1]),  # the decode fast path (page 3's tail: no page taken)
+        lambda: step(core, a, release_slots=[2]),
+        lambda: core.remove_owner(a),
+    ]
+    for call in calls:
+        if audit_every_step:
+            with pytest.raises(CorruptionError, match=r"audit failed: .*pages in the free stack twice"):
+                call()
+        else:
+            call()
+    # The calls were applied either way; only the audit differs.
+    assert not core.has_owner(a) and not core.block_table.any()
+    report = core.audit()
+    assert not report.ok
+    assert any("pages in the free stack twice" in p for p in report.problems), report.problems

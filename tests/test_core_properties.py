@@ -6,6 +6,15 @@ Python and computes every token slot one token at a time (``page * page_size +
 offset``). The page ids a step hands out are taken from the step's result, after
 checking that they are exactly as many as the model expects and were free.
 
+The model names owners ``o0, o1, o2``; the core knows each as the small integer its
+``add_owner()`` returned (``self.ids``; a removed and re-added owner gets a new one).
+As the sessions layer does, every step of an owner passes the owner's quota.
+
+The decode fast path (``Allocator.decode``: allocs only, one token each) is checked
+against this model too: the ``decode`` rule (one or two tokens per request, every
+request of an owner) and allocs-only draws of ``step`` drive it, and ``invalid_decode``
+hands it one-token steps with exactly one thing wrong.
+
 After every rule the core must agree with the model: per-request lengths, block-table
 rows, reference counts, free counts, per-owner usage, an ``audit()`` that is ok, and
 ``free + used == num_pages - 1``. Invalid steps (bad slots, duplicates, bad values,
@@ -20,7 +29,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PagePool
+from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PagePool, StepBatch, StepResult
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
 from core_state import snapshot
 
@@ -46,6 +55,12 @@ def assert_same_snapshot(before: dict, after: dict) -> None:
             np.testing.assert_array_equal(after[key], value, err_msg=key)
         else:
             assert after[key] == value, key
+
+
+def step(core: KVCore, owner: int, quota_pages: int | None, **columns) -> StepResult:
+    """A step with ``columns`` (and ``atomic``) as :meth:`StepBatch.of` takes them: a bad
+    column raises BAD_VALUE from here, as the core's step did from its arguments."""
+    return core.step(owner, StepBatch.of(**columns), quota_pages)
 
 
 class Request:
@@ -76,11 +91,12 @@ class CoreMachine(RuleBasedStateMachine):
     def setup(self, page_size, num_pages, max_requests, max_context_len, quotas, data) -> None:
         self.cfg = CoreConfig(num_pages, page_size, max_requests, max_context_len)
         self.ps = page_size
-        self.core = KVCore(self.cfg)
-        self.core.debug = True  # the core audits itself after every mutating call too
+        self.core = KVCore(self.cfg, audit_every_step=True)  # it audits itself after every mutating call too
         self.quota: dict[str, int | None] = {}
+        self.ids: dict[str, int] = {}  # model owner name -> the core's owner index
+        self.gone: list[int] = []  # indices of removed owners
         for name, quota in zip(OWNERS, quotas):
-            self.core.add_owner(name, quota_pages=quota)
+            self.ids[name] = self.core.add_owner()
             self.quota[name] = quota
         self.owner_st = st.sampled_from(sorted(self.quota))
         self.need_st = st.one_of(st.integers(0, 2), st.integers(0, max_context_len + 2))
@@ -90,7 +106,7 @@ class CoreMachine(RuleBasedStateMachine):
         # Start with some requests open (swarm testing may switch open_requests off).
         for i in range(data.draw(st.integers(0, max_requests), label="num_initial")):
             owner = data.draw(self.owner_st, label="initial_owner")
-            (slot,) = self.core.open(owner, [f"init{i}"]).tolist()
+            (slot,) = self.core.open(self.ids[owner], [f"init{i}"]).tolist()
             assert slot not in self.reqs
             self.reqs[slot] = Request(owner, f"init{i}")
 
@@ -161,14 +177,14 @@ class CoreMachine(RuleBasedStateMachine):
         if len(new) > num_free_slots:
             before = snapshot(core)
             try:
-                core.open(owner, rids)
+                core.open(self.ids[owner], rids)
             except KVMemError as err:
                 assert err.reason is Reason.NO_FREE_REQUEST_SLOT
             else:
                 raise AssertionError("open beyond the free request slots succeeded")
             assert_same_snapshot(before, snapshot(core))
             return
-        slots = core.open(owner, rids)
+        slots = core.open(self.ids[owner], rids)
         assert slots.dtype == np.int32 and slots.shape == (len(rids),)
         got = dict(zip(rids, slots.tolist()))
         for rid, slot in got.items():
@@ -203,7 +219,7 @@ class CoreMachine(RuleBasedStateMachine):
             "release_slots": [], "truncate_slots": [], "truncate_lens": [], "alloc_slots": [], "alloc_needs": [],
             "alloc_expected_lens": None, **kw,
         }
-        res = core.step(owner, atomic=atomic, **kw)
+        res = step(core, self.ids[owner], self.quota[owner], atomic=atomic, **kw)
 
         # The model: releases, then truncates, then allocs admitted one by one.
         dropped = 0
@@ -320,8 +336,8 @@ class CoreMachine(RuleBasedStateMachine):
         with_expected = kind.startswith("expected") or data.draw(BOOL, label="with_expected")
         before = snapshot(self.core)
         try:
-            self.core.step(
-                owner, alloc_slots=al, alloc_needs=[1] * len(al),
+            step(
+                self.core, self.ids[owner], self.quota[owner], alloc_slots=al, alloc_needs=[1] * len(al),
                 alloc_expected_lens=expected if with_expected else None,
             )  # fmt: skip
         except KVMemError as err:
@@ -368,8 +384,11 @@ class CoreMachine(RuleBasedStateMachine):
             if expected:
                 expected.insert(i, -1)
 
+        owner_id, quota = self.ids[owner], self.quota[owner]
         if kind == "unknown_owner":
-            owner, reason = "ghost", Reason.UNKNOWN_SESSION
+            # never handed out (0, the next index, far beyond) or removed
+            ghosts = [0, -1, max(self.ids.values()) + 1, 2**40, *self.gone]
+            owner_id, reason = data.draw(st.sampled_from(ghosts), label="ghost"), Reason.UNKNOWN_SESSION
         elif kind == "bad_slot":
             slot = data.draw(st.sampled_from(bad_slots), label="bad_slot")
             where = data.draw(st.sampled_from(["release", "truncate", "alloc"]), label="where")
@@ -460,7 +479,7 @@ class CoreMachine(RuleBasedStateMachine):
         before = snapshot(core)
         atomic = data.draw(BOOL, label="atomic")
         try:
-            core.step(owner, atomic=atomic, **kw)
+            step(core, owner_id, quota, atomic=atomic, **kw)
         except KVMemError as err:
             assert err.reason is reason, (kind, err.reason, str(err), kw)
             assert err.kind is reason.kind
@@ -473,12 +492,16 @@ class CoreMachine(RuleBasedStateMachine):
         core = self.core
         owner = data.draw(self.owner_st, label="owner")
         mine = self.slots_of(owner)
-        assert core.remove_owner(owner) == len(mine)
+        old = self.ids[owner]
+        assert core.remove_owner(old) == len(mine)
         for s in mine:
             self.free_pages.update(self.reqs.pop(s).pages)
-        assert not core.has_owner(owner)
+        assert not core.has_owner(old)
+        self.gone.append(old)
         quota = data.draw(QUOTA, label="quota")
-        core.add_owner(owner, quota_pages=quota)
+        new = core.add_owner()
+        assert new not in self.gone and new not in self.ids.values(), (new, self.gone, self.ids)
+        self.ids[owner] = new
         self.quota[owner] = quota
 
     @rule(data=st.data())
@@ -487,10 +510,10 @@ class CoreMachine(RuleBasedStateMachine):
         slot = data.draw(st.integers(-1, self.cfg.max_requests + 2), label="slot")
         req = self.reqs.get(slot)
         if req is not None and req.owner == owner:
-            assert self.core.alloced_len(owner, slot) == req.alloced
+            assert self.core.alloced_len(self.ids[owner], slot) == req.alloced
         else:
             try:
-                self.core.alloced_len(owner, slot)
+                self.core.alloced_len(self.ids[owner], slot)
             except KVMemError as err:
                 assert err.reason is Reason.SLOT_NOT_FOUND
             else:
@@ -515,7 +538,7 @@ class CoreMachine(RuleBasedStateMachine):
             if req is None:
                 assert not bt[slot].any(), (slot, bt[slot])
                 continue
-            assert core.alloced_len(req.owner, slot) == req.alloced
+            assert core.alloced_len(self.ids[req.owner], slot) == req.alloced
             assert len(req.pages) == ceil_div(req.alloced, ps)
             assert bt[slot].tolist() == req.pages + [0] * (width - len(req.pages))
             tokens = [req.pages[pos // ps] * ps + pos % ps for pos in range(req.alloced)]
@@ -534,10 +557,8 @@ class CoreMachine(RuleBasedStateMachine):
         assert report.num_free_pages + report.num_cached_pages + report.num_used_pages == cfg.num_pages - 1
         assert stats.num_open_requests == len(self.reqs)
         assert stats.num_free_request_slots == cfg.max_requests - len(self.reqs)
-        usage = {o.owner: (o.num_requests, o.num_pages_held, o.quota_pages) for o in stats.owners}
-        assert usage == {
-            name: (len(self.slots_of(name)), self.held(name), self.quota[name]) for name in self.quota
-        }
+        usage = {o.owner: (o.num_requests, o.num_pages_held) for o in stats.owners}
+        assert usage == {self.ids[name]: (len(self.slots_of(name)), self.held(name)) for name in self.quota}
         for name, quota in self.quota.items():
             if quota is not None:
                 assert self.held(name) <= quota
@@ -576,7 +597,7 @@ def test_pool_unref_matches_a_counter_model(counts: list[int], drop: list[int]) 
     pool._push(held[np.asarray(counts) == 0])
 
     def state() -> tuple:
-        return pool.ref_cnt.tolist(), pool.num_free, sorted(pool._free[: pool.num_free].tolist())
+        return pool.ref_cnt.tolist(), pool.num_free, sorted(pool.free_pages().tolist())
 
     before = state()
     model = [0, *counts]

@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from kvmem.client.memory import MappedMemory, MemoryMapError
-from kvmem.server.core import CoreConfig, KVCore
+from kvmem.server.core import CoreConfig, KVCore, StepBatch
 from kvmem.server.service import geometry_to_proto, handle_to_proto
 from kvmem.server.memory import (
     CudaBackend,
     GeometryError,
     HandleInfo,
     KVGeometry,
+    PoolSpec,
     ShmBackend,
-    check_pool,
     pages_for_budget,
     parse_size,
     remove_stale,
@@ -287,22 +287,23 @@ def test_budget_context_longer_than_pool_is_refused():
         ("16", 4, 4, "--num-pages must be an integer, got '16'"),
     ],
 )
-def test_check_pool_refusals(num_pages, max_requests, max_context, message):
+def test_pool_spec_refusals(num_pages, max_requests, max_context, message):
     with pytest.raises(GeometryError, match=re.escape(message)):
-        check_pool(KVGeometry(**MHA), num_pages, max_requests, max_context)
-    check_pool(KVGeometry(**MHA), 16, 4, 60)  # the largest context that fits
+        PoolSpec(KVGeometry(**MHA), num_pages, max_requests, max_context)
+    pool = PoolSpec(KVGeometry(**MHA), 16, 4, 60)  # the largest context that fits
+    assert (pool.num_tokens, pool.block_table_shape, pool.kv_shape) == (64, (5, 15), (3, 2, 64, 2, 4))
 
 
 def test_backend_refuses_bad_pool(tmp_path):
     with pytest.raises(GeometryError, match=re.escape("--max-context 100 exceeds the pool's 60 tokens")):
-        ShmBackend(KVGeometry(**MHA), 16, 4, 100, directory=str(tmp_path))
+        ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 100), directory=str(tmp_path))
     assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_cuda_backend_without_cuda_says_so():
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        CudaBackend(KVGeometry(**MHA), 16, 4, 16)
+        CudaBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 16))
 
 
 # ------------------------------------------------------------------ shm files
@@ -314,7 +315,7 @@ def _files(directory) -> list[str]:
 
 def test_shm_files_are_private_and_one_per_allocation(tmp_path):
     g = KVGeometry(**MHA)
-    with ShmBackend(g, 16, 4, 20, directory=str(tmp_path)) as b:
+    with ShmBackend(PoolSpec(g, 16, 4, 20), directory=str(tmp_path)) as b:
         names = _files(tmp_path)
         assert [n.rsplit(".", 1)[1] for n in names] == ["bt", "kv", "lock"]
         for n in names:
@@ -335,18 +336,8 @@ def test_shm_files_are_private_and_one_per_allocation(tmp_path):
             b.kv(1)
 
 
-def test_block_table_numpy_and_torch_are_the_same_memory(tmp_path):
-    with ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=str(tmp_path)) as b:
-        t = b.block_table_tensor
-        assert t.dtype == torch.int32 and t.data_ptr() == b.block_table.ctypes.data
-        b.block_table[3, 2] = 9
-        assert t[3, 2].item() == 9
-        t[1, 0] = 4
-        assert b.block_table[1, 0] == 4
-
-
 def test_close_removes_files_and_is_idempotent(tmp_path):
-    b = ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=str(tmp_path))
+    b = ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=str(tmp_path))
     mem = open_mapped(b)
     k0, _ = mem.kv_cache()[0]
     b.close()
@@ -366,7 +357,7 @@ def test_close_removes_files_and_is_idempotent(tmp_path):
 
 
 def test_garbage_collected_backend_removes_its_files(tmp_path):
-    b = ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=str(tmp_path))
+    b = ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=str(tmp_path))
     assert len(_files(tmp_path)) == 3
     del b
     gc.collect()
@@ -374,8 +365,8 @@ def test_garbage_collected_backend_removes_its_files(tmp_path):
 
 
 def test_two_backends_never_touch_each_others_files(tmp_path):
-    a = ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=str(tmp_path))
-    b = ShmBackend(KVGeometry(**MLA), 8, 2, 8, directory=str(tmp_path))
+    a = ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=str(tmp_path))
+    b = ShmBackend(PoolSpec(KVGeometry(**MLA), 8, 2, 8), directory=str(tmp_path))
     assert a.server_id != b.server_id and a.kv_path != b.kv_path
     assert len(_files(tmp_path)) == 6
     assert remove_stale(str(tmp_path)) == []  # both alive
@@ -401,27 +392,27 @@ def test_remove_stale_leaves_foreign_files(tmp_path):
 
 
 def test_custom_prefix(tmp_path):
-    with ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=str(tmp_path), prefix="kvmem_test") as b:
+    with ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=str(tmp_path), prefix="kvmem_test") as b:
         assert os.path.basename(b.kv_path).startswith("kvmem_test-")
         assert remove_stale(str(tmp_path), "kvmem_test") == []
     with pytest.raises(ValueError, match="prefix"):
-        ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=str(tmp_path), prefix="../x")
+        ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=str(tmp_path), prefix="../x")
 
 
 def test_shm_too_small_is_a_clear_error(tmp_path):
     # A pool larger than any disk: refused up front, nothing left behind.
     g = KVGeometry(format="mha", num_layers=80, num_kv_heads=64, head_dim=256, dtype="float32", page_size=64)
     with pytest.raises(GeometryError, match=r"the shm pool needs \d+ bytes .* free"):
-        ShmBackend(g, 2**20, 4, 64, directory=str(tmp_path), reserve=False)
+        ShmBackend(PoolSpec(g, 2**20, 4, 64), directory=str(tmp_path), reserve=False)
     with pytest.raises(GeometryError, match=r"the shm pool needs \d+ bytes .* free"):
-        ShmBackend(g, 2**20, 4, 64, directory=str(tmp_path), reserve=True)
+        ShmBackend(PoolSpec(g, 2**20, 4, 64), directory=str(tmp_path), reserve=True)
     assert _files(tmp_path) == []
 
 
 def test_forked_child_does_not_remove_the_servers_files(tmp_path):
     """Exit hooks run in a forked child that exits normally; they must not touch the
     parent's files (the finalizer only acts in the creating process)."""
-    b = ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=str(tmp_path))
+    b = ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=str(tmp_path))
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
@@ -436,13 +427,13 @@ def test_forked_child_does_not_remove_the_servers_files(tmp_path):
 
 
 def _hold_backend(conn, directory: str) -> None:
-    b = ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=directory)
+    b = ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=directory)
     conn.send([b.kv_path, b.block_table_path, b.lock_path])
     conn.recv()  # block until killed
 
 
 def _exit_without_close(conn, directory: str) -> None:
-    b = ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=directory)
+    b = ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=directory)
     conn.send([b.kv_path, b.block_table_path, b.lock_path])
     globals()["_leaked"] = b  # alive until interpreter exit: atexit must clean up
 
@@ -454,7 +445,7 @@ def test_sigkilled_server_files_are_removed_but_live_ones_survive(tmp_path):
     proc.start()
     assert parent.poll(120)
     dead_paths = parent.recv()
-    live = ShmBackend(KVGeometry(**MLA), 8, 2, 8, directory=str(tmp_path))  # runs remove_stale
+    live = ShmBackend(PoolSpec(KVGeometry(**MLA), 8, 2, 8), directory=str(tmp_path))  # runs remove_stale
     assert all(os.path.exists(p) for p in dead_paths)  # its owner is alive
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(30)
@@ -485,11 +476,11 @@ def test_exit_without_close_removes_files(tmp_path):
 @pytest.mark.parametrize("fmt", ["mha", "mla"])
 def test_client_process_writes_and_reads_kv_at_token_slots(tmp_path, fmt):
     g = KVGeometry(**(MHA if fmt == "mha" else MLA))
-    b = ShmBackend(g, 16, 4, 32, directory=str(tmp_path))
+    b = ShmBackend(PoolSpec(g, 16, 4, 32), directory=str(tmp_path))
     core = KVCore(CoreConfig(16, g.page_size, 4, 32), block_table=b.block_table)
-    core.add_owner("s")
-    (slot,) = core.open("s", ["req"])
-    res = core.step("s", alloc_slots=[slot], alloc_needs=[11])
+    s = core.add_owner()
+    (slot,) = core.open(s, ["req"])
+    res = core.step(s, StepBatch.of(alloc_slots=[slot], alloc_needs=[11]))
     kv_loc = res.kv_loc
     parts = ["k", "v"] if fmt == "mha" else ["latent"]
     width = (g.num_kv_heads, g.head_dim) if fmt == "mha" else (g.kv_lora_rank + g.rope_dim,)
@@ -520,10 +511,10 @@ def test_client_process_writes_and_reads_kv_at_token_slots(tmp_path, fmt):
                 _view(mine, 0, layer, part)[torch.from_numpy(other)] = torch.from_numpy(vals).to(g.torch_dtype)
                 assert np.array_equal(client.call("read", rank=0, layer=layer, part=part, slots=other.tolist()), vals)
         # A later step's rows are seen too; a release zeroes the row.
-        res2 = core.step("s", alloc_slots=[slot], alloc_needs=[g.page_size * 2])
+        res2 = core.step(s, StepBatch.of(alloc_slots=[slot], alloc_needs=[g.page_size * 2]))
         assert res2.new_pages.size == 2
         assert np.array_equal(client.call("block_table"), b.block_table)
-        core.step("s", release_slots=[slot])
+        core.step(s, StepBatch.of(release_slots=[slot]))
         assert not client.call("block_table").any()
         mine.close()
     finally:
@@ -533,7 +524,7 @@ def test_client_process_writes_and_reads_kv_at_token_slots(tmp_path, fmt):
 
 
 def test_client_views_are_one_mapping(tmp_path):
-    with ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=str(tmp_path)) as b, open_mapped(b) as mem:
+    with ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=str(tmp_path)) as b, open_mapped(b) as mem:
         buf = mem.kv_buffer()
         assert buf.shape == b.kv().shape and mem.num_ranks == 1
         base = buf.untyped_storage().data_ptr()
@@ -552,7 +543,7 @@ def test_client_views_are_one_mapping(tmp_path):
 
 
 def test_client_refuses_handles_that_disagree_with_geometry(tmp_path):
-    with ShmBackend(KVGeometry(**MHA), 16, 4, 20, directory=str(tmp_path)) as b:
+    with ShmBackend(PoolSpec(KVGeometry(**MHA), 16, 4, 20), directory=str(tmp_path)) as b:
         handles = [to_proto_handle(h) for h in b.handles()]
         geo = to_proto_geometry(b)
         wrong = pb.PoolGeometry()
@@ -576,7 +567,7 @@ def test_client_refuses_handles_that_disagree_with_geometry(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_default_directory_is_dev_shm():
-    with ShmBackend(KVGeometry(**MLA), 8, 2, 16) as b:
+    with ShmBackend(PoolSpec(KVGeometry(**MLA), 8, 2, 16)) as b:
         assert os.path.dirname(b.kv_path) == "/dev/shm"
         for p in (b.kv_path, b.block_table_path, b.lock_path):
             assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
@@ -603,7 +594,7 @@ def test_one_gib_pool_maps_fast(tmp_path):
     g = KVGeometry(format="mha", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
     assert g.page_bytes == 2 * 2**20
     t0 = time.perf_counter()
-    b = ShmBackend(g, 512, 64, 4096, directory=directory, reserve=False)
+    b = ShmBackend(PoolSpec(g, 512, 64, 4096), directory=directory, reserve=False)
     t1 = time.perf_counter()
     try:
         assert os.path.getsize(b.kv_path) == 2**30

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvmem.client.memory import MappedMemory, MemoryMapError
-from kvmem.server.core import CoreConfig, KVCore
+from kvmem.server.core import CoreConfig, KVCore, StepBatch
 from kvmem.server.service import geometry_to_proto, handle_to_proto
 from kvmem.server.memory import CudaBackend, GeometryError, HandleInfo, KVGeometry
 from kvmem.v1 import kvmem_pb2 as pb
@@ -140,17 +140,17 @@ def values_for(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     return ((np.arange(n) * 7 + seed * 13) % 199 - 99).astype(np.float32).reshape(shape)
 
 
-def _alloc(backend, tokens: int) -> tuple[KVCore, int, np.ndarray]:
+def _alloc(backend, tokens: int) -> tuple[KVCore, int, int, np.ndarray]:
     g = backend.geometry
     core = KVCore(
         CoreConfig(backend.num_pages, g.page_size, backend.max_requests, backend.max_context_len),
         block_table=backend.block_table,
     )
-    core.add_owner("s")
-    (slot,) = core.open("s", ["req"])
-    res = core.step("s", alloc_slots=[slot], alloc_needs=[tokens])
+    s = core.add_owner()
+    (slot,) = core.open(s, ["req"])
+    res = core.step(s, StepBatch.of(alloc_slots=[slot], alloc_needs=[tokens]))
     backend.sync_rows(np.array([slot]))
-    return core, int(slot), res.kv_loc
+    return core, s, int(slot), res.kv_loc
 
 
 def _parts(g: KVGeometry) -> tuple[list[str], tuple[int, ...]]:
@@ -168,7 +168,7 @@ def _server_view(backend, rank: int, layer: int, i: int) -> torch.Tensor:
 
 
 def test_handles_name_the_device_by_uuid():
-    with CudaBackend(KVGeometry(**MHA), 32, 4, 32, devices=[0]) as b:
+    with CudaBackend(PoolSpec(KVGeometry(**MHA), 32, 4, 32), devices=[0]) as b:
         assert b.name == "cuda" and b.num_ranks == 1
         handles = b.handles()
         assert [(h.name, h.rank, h.dtype) for h in handles] == [("kv", 0, "bfloat16"), ("block_table", 0, "int32")]
@@ -192,20 +192,20 @@ def test_handles_name_the_device_by_uuid():
 def test_refused_devices_and_sizes():
     g = KVGeometry(**MHA)
     with pytest.raises(GeometryError, match=re.escape("--devices [99]: no CUDA device 99")):
-        CudaBackend(g, 32, 4, 32, devices=[99])
+        CudaBackend(PoolSpec(g, 32, 4, 32), devices=[99])
     with pytest.raises(GeometryError, match="must not repeat"):
-        CudaBackend(g, 32, 4, 32, devices=[0, 0])
+        CudaBackend(PoolSpec(g, 32, 4, 32), devices=[0, 0])
     with pytest.raises(GeometryError, match="at least one"):
-        CudaBackend(g, 32, 4, 32, devices=[])
+        CudaBackend(PoolSpec(g, 32, 4, 32), devices=[])
     big = KVGeometry(format="mha", num_layers=64, num_kv_heads=64, head_dim=256, dtype="float32", page_size=64)
     total = torch.cuda.get_device_properties(0).total_memory
     pages = total // big.page_bytes + 8
     with pytest.raises(GeometryError, match=r"the pool needs \d+ bytes .* on cuda:0"):
-        CudaBackend(big, pages, 4, 64, devices=[0])
+        CudaBackend(PoolSpec(big, pages, 4, 64), devices=[0])
 
 
 def test_unknown_uuid_is_a_clear_error():
-    with CudaBackend(KVGeometry(**MHA), 32, 4, 32) as b:
+    with CudaBackend(PoolSpec(KVGeometry(**MHA), 32, 4, 32)) as b:
         handles = [to_proto_handle(h) for h in b.handles()]
         for h in handles:
             h.cuda.device_uuid = "00000000-0000-0000-0000-000000000000"
@@ -216,8 +216,8 @@ def test_unknown_uuid_is_a_clear_error():
 @pytest.mark.parametrize("fmt", ["mha", "mla"])
 def test_write_in_one_process_read_in_another(fmt):
     g = KVGeometry(**(MHA if fmt == "mha" else MLA))
-    b = CudaBackend(g, 32, 4, 64, devices=[0])
-    core, slot, kv_loc = _alloc(b, 13)
+    b = CudaBackend(PoolSpec(g, 32, 4, 64), devices=[0])
+    core, _, slot, kv_loc = _alloc(b, 13)
     parts, width = _parts(g)
     writer = Client(b)
     reader = None
@@ -256,24 +256,24 @@ def test_write_in_one_process_read_in_another(fmt):
 
 def test_device_block_table_equals_host_after_sync_rows():
     g = KVGeometry(**MHA)
-    b = CudaBackend(g, 64, 16, 64, devices=[0])
+    b = CudaBackend(PoolSpec(g, 64, 16, 64), devices=[0])
     core = KVCore(CoreConfig(64, g.page_size, 16, 64), block_table=b.block_table)
-    core.add_owner("s")
-    slots = core.open("s", [f"r{i}" for i in range(16)])
+    s = core.add_owner()
+    slots = core.open(s, [f"r{i}" for i in range(16)])
     client = Client(b)
     try:
         # Few rows (the scatter path), then most rows (the whole-table path).
-        res = core.step("s", alloc_slots=slots[:3], alloc_needs=[5, 9, 1])
+        res = core.step(s, StepBatch.of(alloc_slots=slots[:3], alloc_needs=[5, 9, 1]))
         assert res.alloc_status.tolist() == [0, 0, 0]
         b.sync_rows(slots[:3])
         assert np.array_equal(b.device_block_table(0).cpu().numpy(), b.block_table)
         assert np.array_equal(client.call("device_block_table", rank=0), b.block_table)
-        res = core.step("s", alloc_slots=slots[3:], alloc_needs=[4] * 13)
+        res = core.step(s, StepBatch.of(alloc_slots=slots[3:], alloc_needs=[4] * 13))
         assert (res.alloc_status == 0).all()
         b.sync_rows(slots[3:])
         assert np.array_equal(client.call("device_block_table", rank=0), b.block_table)
         # Releases zero rows; truncates drop pages.
-        core.step("s", release_slots=slots[:2], truncate_slots=[slots[2]], truncate_lens=[0])
+        core.step(s, StepBatch.of(release_slots=slots[:2], truncate_slots=[slots[2]], truncate_lens=[0]))
         b.sync_rows(slots[:3])
         assert not b.block_table[slots[:3]].any()
         assert np.array_equal(client.call("device_block_table", rank=0), b.block_table)
@@ -288,8 +288,8 @@ def test_device_block_table_equals_host_after_sync_rows():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tensor_parallel_two_devices_share_one_page_space():
     g = KVGeometry(**MHA)
-    b = CudaBackend(g, 32, 4, 64, devices=[0, 1])
-    core, slot, kv_loc = _alloc(b, 10)
+    b = CudaBackend(PoolSpec(g, 32, 4, 64), devices=[0, 1])
+    core, owner, slot, kv_loc = _alloc(b, 10)
     parts, width = _parts(g)
     writer = Client(b)
     # The third process sees the GPUs in the other order: handles name them by UUID.
@@ -320,7 +320,7 @@ def test_tensor_parallel_two_devices_share_one_page_space():
                     )
                     assert np.array_equal(_server_view(b, rank, layer, i)[idx].float().cpu().numpy(), vals)
         # A later step reaches every device's table.
-        core.step("s", alloc_slots=[slot], alloc_needs=[g.page_size * 3])
+        core.step(owner, StepBatch.of(alloc_slots=[slot], alloc_needs=[g.page_size * 3]))
         b.sync_rows(np.array([slot]))
         for rank in (0, 1):
             assert np.array_equal(b.device_block_table(rank).cpu().numpy(), b.block_table)

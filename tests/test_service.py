@@ -667,13 +667,66 @@ def test_sigterm_with_attached_clients_exits_0_promptly_and_removes_its_socket(s
     while True:  # the keep-alive thread reports the end of the session
         try:
             kv.alloc([1], [1])
-        except SessionLost as err:
-            assert "shutting down" in err.message, err
+        except SessionLost as err:  # with the server's reason, from the keep-alive stream
+            assert err.reason == "SHUTTING_DOWN" and err.code == grpc.StatusCode.UNAVAILABLE, err
+            assert "keep-alive stream broke" in err.message and "shutting down" in err.message, err
             break
         except Unavailable:
             assert time.monotonic() < deadline, "the client never noticed the session ended"
             time.sleep(0.05)
     kv.close()
+
+
+def test_keepalive_broken_without_a_reason_is_session_lost_unspecified(tmpdir_short: str) -> None:
+    """A server that dies sends no reason: the keep-alive streams of both clients break,
+    and the next call raises SessionLost with reason UNSPECIFIED and a message that says
+    the stream broke and why. The client invents no reason for a detach either."""
+    srv = start_server(tmpdir_short, "--num-pages", "17", "--max-context", "256", "--lease-ms", "1500")
+    kv = KVMemClient(srv.target, name="sync")
+
+    async def lost_async() -> SessionLost:
+        async with AsyncKVMemClient(srv.target, name="async") as akv:
+            await akv.open(["a"])
+            srv.stop(signal.SIGKILL)
+            deadline = time.monotonic() + 3
+            while True:
+                try:
+                    await akv.stats()
+                except SessionLost as err:
+                    return err
+                except Unavailable:
+                    assert time.monotonic() < deadline, "the asyncio client never noticed the session ended"
+                    await asyncio.sleep(0.05)
+
+    def lost_sync() -> SessionLost:
+        deadline = time.monotonic() + 3
+        while True:
+            try:
+                kv.stats()
+            except SessionLost as err:
+                return err
+            except Unavailable:
+                assert time.monotonic() < deadline, "the client never noticed the session ended"
+                time.sleep(0.05)
+
+    try:
+        kv.open(["s"])
+        for err in (asyncio.run(lost_async()), lost_sync()):
+            assert err.reason == "UNSPECIFIED" and err.raw_reason == "" and err.code == grpc.StatusCode.UNAVAILABLE
+            assert err.message.startswith("the keep-alive stream broke: UNAVAILABLE: "), err
+    finally:
+        srv.stop(signal.SIGKILL)
+        kv.close()
+
+    other_srv = start_server(tmpdir_short, socket_name="other.sock")
+    try:
+        with KVMemClient(other_srv.target, name="detached") as other:
+            assert other.detach() == 0
+            with pytest.raises(SessionLost) as exc_info:
+                other.open(["x"])
+            assert exc_info.value.reason == "UNSPECIFIED" and "detached" in exc_info.value.message
+    finally:
+        assert other_srv.stop() == 0, other_srv.log()
 
 
 def test_second_server_on_the_same_socket_is_refused(server: ServerProcess) -> None:

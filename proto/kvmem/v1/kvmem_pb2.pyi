@@ -20,6 +20,21 @@ class AllocStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALLOC_STATUS_CONTEXT_TOO_LONG: _ClassVar[AllocStatus]
     ALLOC_STATUS_QUOTA_EXCEEDED: _ClassVar[AllocStatus]
     ALLOC_STATUS_ABORTED: _ClassVar[AllocStatus]
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_BAD_VALUE: _ClassVar[ErrorReason]
+    ERROR_REASON_LENGTH_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_DUPLICATE_SLOT: _ClassVar[ErrorReason]
+    ERROR_REASON_SLOT_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_UNKNOWN_SESSION: _ClassVar[ErrorReason]
+    ERROR_REASON_ALLOCED_LEN_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_TRUNCATE_BEYOND_ALLOCED: _ClassVar[ErrorReason]
+    ERROR_REASON_NO_FREE_REQUEST_SLOT: _ClassVar[ErrorReason]
+    ERROR_REASON_BAD_TOKEN: _ClassVar[ErrorReason]
+    ERROR_REASON_SHUTTING_DOWN: _ClassVar[ErrorReason]
+    ERROR_REASON_CORRUPTION: _ClassVar[ErrorReason]
 KV_FORMAT_UNSPECIFIED: KVFormat
 KV_FORMAT_MHA: KVFormat
 KV_FORMAT_MLA: KVFormat
@@ -28,6 +43,18 @@ ALLOC_STATUS_OUT_OF_PAGES: AllocStatus
 ALLOC_STATUS_CONTEXT_TOO_LONG: AllocStatus
 ALLOC_STATUS_QUOTA_EXCEEDED: AllocStatus
 ALLOC_STATUS_ABORTED: AllocStatus
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_BAD_VALUE: ErrorReason
+ERROR_REASON_LENGTH_MISMATCH: ErrorReason
+ERROR_REASON_DUPLICATE_SLOT: ErrorReason
+ERROR_REASON_SLOT_NOT_FOUND: ErrorReason
+ERROR_REASON_UNKNOWN_SESSION: ErrorReason
+ERROR_REASON_ALLOCED_LEN_MISMATCH: ErrorReason
+ERROR_REASON_TRUNCATE_BEYOND_ALLOCED: ErrorReason
+ERROR_REASON_NO_FREE_REQUEST_SLOT: ErrorReason
+ERROR_REASON_BAD_TOKEN: ErrorReason
+ERROR_REASON_SHUTTING_DOWN: ErrorReason
+ERROR_REASON_CORRUPTION: ErrorReason
 
 class KVLayout(_message.Message):
     __slots__ = ("format", "num_layers", "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "dtype", "bytes_per_token")

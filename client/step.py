@@ -1,0 +1,119 @@
+"""A Step on the wire: the caller's ints as the request's columns, and the response's
+bytes as tensors without a copy (:class:`StepResult`). What both clients send and return
+for every step; :meth:`kvmem.client.session.Session.step` builds the request."""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Sequence
+from typing import Any, cast, overload
+
+import numpy as np
+import torch
+
+from kvmem.v1 import kvmem_pb2
+
+IntsLike = Sequence[int] | np.ndarray | torch.Tensor
+
+AllocStatus = enum.IntEnum(  # type: ignore[misc]
+    "AllocStatus",
+    {name.removeprefix("ALLOC_STATUS_"): value for name, value in kvmem_pb2.AllocStatus.items()},
+)
+AllocStatus.__doc__ = "Per-item result of an alloc (the proto's AllocStatus without its prefix)."
+
+# The step tensors view the response's bytes, which are immutable: they are read-only by
+# contract (copy one before writing to it). torch warns about that once per buffer;
+# the warning is the contract restated, so it is silenced here, for this message only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+NO_COLUMN: tuple[int, ...] = ()  # the columns' default: a column left at it is not sent
+
+
+def as_ints(values: IntsLike) -> Any:
+    """A list or tuple protobuf can extend a packed field with (type checks by identity
+    first: ``isinstance`` against ``torch.Tensor`` goes through its metaclass)."""
+    kind = type(values)
+    if kind is list or kind is tuple:
+        return values
+    if kind is torch.Tensor or kind is np.ndarray or isinstance(values, (np.ndarray, torch.Tensor)):
+        return cast("np.ndarray | torch.Tensor", values).tolist()
+    return values
+
+
+class _BytesView:
+    """A read-only tensor view of one ``bytes`` field of the step response, made on
+    first access and kept in the result's slot of the same name."""
+
+    def __init__(self, field: str, dtype: torch.dtype, doc: str) -> None:
+        self.field = field
+        self.dtype = dtype
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _BytesView: ...
+    @overload
+    def __get__(self, obj: StepResult, owner: type | None = None) -> torch.Tensor: ...
+    def __get__(self, obj: StepResult | None, owner: type | None = None) -> torch.Tensor | _BytesView:
+        if obj is None:
+            return self
+        tensor: torch.Tensor | None = getattr(obj, self.slot)
+        if tensor is None:
+            data: bytes = getattr(obj._resp, self.field)
+            tensor = torch.frombuffer(data, dtype=self.dtype) if data else torch.empty(0, dtype=self.dtype)
+            setattr(obj, self.slot, tensor)
+        return tensor
+
+
+class StepResult:
+    """A step's outcome. Per alloc item ``i``: ``status[i]`` (an :class:`AllocStatus`
+    value), its token slots ``kv_loc[kv_loc_offsets[i]:kv_loc_offsets[i + 1]]`` and its new
+    pages likewise. The tensors are read-only int32/int8 views of the response's bytes
+    (little-endian, as the proto says; every platform torch ships on is little-endian),
+    made on first access: no copy, no loop, and nothing for what the caller never reads.
+    """
+
+    __slots__ = ("_kv_loc", "_kv_loc_offsets", "_new_page_offsets", "_new_pages", "_resp", "_status")
+
+    status = _BytesView("alloc_status", torch.int8, "int8 [n]: AllocStatus per alloc item.")
+    kv_loc = _BytesView("kv_loc", torch.int32, "int32 [T]: the token slots of every alloc item, concatenated.")
+    kv_loc_offsets = _BytesView("kv_loc_offsets", torch.int32, "int32 [n + 1].")
+    new_pages = _BytesView("new_pages", torch.int32, "int32 [P]: the page ids the step took, concatenated per item.")
+    new_page_offsets = _BytesView("new_page_offsets", torch.int32, "int32 [n + 1].")
+
+    def __init__(self, resp: kvmem_pb2.StepResponse) -> None:
+        self._resp = resp
+        self._status = self._kv_loc = self._kv_loc_offsets = None
+        self._new_pages = self._new_page_offsets = None
+
+    @property
+    def num_pages_released(self) -> int:
+        return self._resp.num_pages_released
+
+    @property
+    def num_free_pages(self) -> int:
+        """Free pages in the pool right after this step."""
+        return self._resp.num_free_pages
+
+    @property
+    def ok(self) -> bool:
+        """Every alloc item succeeded (read from the status bytes: no tensor needed)."""
+        status = self._resp.alloc_status
+        return status.count(0) == len(status)
+
+    def kv_loc_of(self, i: int) -> torch.Tensor:
+        return self.kv_loc[int(self.kv_loc_offsets[i]) : int(self.kv_loc_offsets[i + 1])]
+
+    def new_pages_of(self, i: int) -> torch.Tensor:
+        return self.new_pages[int(self.new_page_offsets[i]) : int(self.new_page_offsets[i + 1])]
+
+    def __repr__(self) -> str:
+        return (
+            f"StepResult(status={self.status.tolist()}, kv_loc={self.kv_loc.tolist()[:32]}"
+            f"{'...' if self.kv_loc.numel() > 32 else ''}, new_pages={self.new_pages.tolist()[:32]}, "
+            f"num_free_pages={self.num_free_pages})"
+        )

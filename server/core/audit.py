@@ -1,0 +1,101 @@
+"""The audit: every invariant of the pool, checked from scratch.
+
+O(num_pages + max_requests * max_pages_per_request): a debug check, run after every
+mutating call when the core's ``audit_every_step`` is on (tests, ``KVMEM_DEBUG=1``),
+and on demand by Stats. It reads, never changes, and names what it finds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmem.server.core.config import AuditReport, CoreConfig
+from kvmem.server.core.pool import PagePool
+from kvmem.server.core.slots import RequestSlots
+from kvmem.server.core.table import BlockTable
+
+
+def audit(config: CoreConfig, pool: PagePool, table: BlockTable, slots: RequestSlots) -> AuditReport:
+    problems: list[str] = []
+    num_used = _audit_pages(config, pool, problems)
+    num_cached = 0  # no prefix cache yet
+    if pool.num_free + num_cached + num_used != config.num_pages - 1:
+        problems.append(f"free {pool.num_free} + cached {num_cached} + used {num_used} != {config.num_pages - 1} pages")
+    have = table.num_pages_for(slots.alloced[: config.max_requests + 1])
+    _audit_table(config, pool, table, slots, have, problems)
+    _audit_owners(slots, have, problems)
+    _audit_free_slots(config, slots, problems)
+    return AuditReport(not problems, tuple(problems), pool.num_free, num_cached, num_used)
+
+
+def _audit_pages(config: CoreConfig, pool: PagePool, problems: list[str]) -> int:
+    """Reference counts against the free stack. Returns the number of used pages."""
+    ref = pool.ref_cnt
+    free = pool.free_pages()
+    if ref[0] != 0:
+        problems.append(f"page 0 has ref_cnt {int(ref[0])}")
+    if np.count_nonzero(ref < 0):
+        problems.append(f"negative ref_cnt on pages {np.flatnonzero(ref < 0).tolist()[:16]}")
+    if free.size and (np.count_nonzero(free <= 0) or np.count_nonzero(free >= config.num_pages)):
+        problems.append("free stack holds ids outside [1, num_pages)")
+    else:
+        in_free = np.bincount(free, minlength=config.num_pages)
+        if np.count_nonzero(in_free > 1):
+            problems.append(f"pages in the free stack twice: {np.flatnonzero(in_free > 1).tolist()[:16]}")
+        both = (in_free > 0) & (ref > 0)
+        if np.count_nonzero(both):
+            problems.append(f"free pages with references: {np.flatnonzero(both).tolist()[:16]}")
+    return int(np.count_nonzero(ref[1:] > 0))
+
+
+def _audit_table(
+    config: CoreConfig, pool: PagePool, table: BlockTable, slots: RequestSlots, have: np.ndarray, problems: list[str]
+) -> None:
+    """Rows against lengths, and the pages they hold against the reference counts."""
+    bt = table.array
+    open_ = slots.owner_of[: config.max_requests + 1] != 0
+    if np.count_nonzero(have[~open_]):
+        problems.append("closed request slots with alloced_len > 0")
+    valid = np.arange(bt.shape[1])[None, :] < np.where(open_, have, 0)[:, None]
+    if np.count_nonzero(bt[~valid]):
+        rows = np.flatnonzero((bt * ~valid).any(axis=1))
+        problems.append(f"non-zero block-table entries past a request's pages in rows {rows.tolist()[:16]}")
+    held = bt[valid]
+    if np.count_nonzero(held <= 0) or np.count_nonzero(held >= config.num_pages):
+        problems.append("block table holds page ids outside [1, num_pages) within a request's pages")
+        return
+    refs = np.bincount(held, minlength=config.num_pages)
+    if not np.array_equal(refs, pool.ref_cnt):
+        diff = np.flatnonzero(refs != pool.ref_cnt)
+        problems.append(f"ref_cnt differs from block-table references on pages {diff.tolist()[:16]}")
+
+
+def _audit_owners(slots: RequestSlots, have: np.ndarray, problems: list[str]) -> None:
+    """Per-owner totals against the slots and rows they own."""
+    for o in slots.owners.values():
+        mine = slots.slots_of(o)
+        if mine.size != o.num_requests:
+            problems.append(f"owner {o.index} counts {o.num_requests} requests but owns {mine.size} slots")
+        lost = [int(x) for x in mine.tolist() if slots.live_slot(o, slots.request_id[x] or "") != x]
+        if lost:
+            problems.append(f"owner {o.index} has open slots its request ids do not map to: {lost[:16]}")
+        if int(have[mine].sum()) != o.num_pages_held:
+            problems.append(
+                f"owner {o.index} holds {o.num_pages_held} pages by its count, {int(have[mine].sum())} by its rows"
+            )
+    owned = slots.owner_of[1 : slots.max_requests + 1]
+    unknown = set(np.unique(owned[owned != 0]).tolist()) - set(slots.owners)
+    if unknown:
+        problems.append(f"slots owned by unknown owner indices {sorted(unknown)}")
+
+
+def _audit_free_slots(config: CoreConfig, slots: RequestSlots, problems: list[str]) -> None:
+    """The free slot stack holds only closed, distinct slots in range."""
+    owned = slots.owner_of[1 : config.max_requests + 1]
+    if slots.num_free + int(np.count_nonzero(owned)) != config.max_requests:
+        problems.append("free request slots + open request slots != max_requests")
+    free = slots.free_slots()
+    if free.size and (int(free.min()) < 1 or int(free.max()) > config.max_requests):
+        problems.append("free request slot stack holds slots outside [1, max_requests]")
+    elif np.count_nonzero(slots.owner_of[free]) or np.unique(free).size != free.size:
+        problems.append("free request slot stack holds open or repeated slots")

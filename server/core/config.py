@@ -1,0 +1,67 @@
+"""The core's plain data: its geometry, the ids it deals in, and what it reports."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NewType
+
+OwnerId = NewType("OwnerId", int)  # a small integer >= 1; the sessions layer maps sessions to it
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """Pool geometry of the core (token and page counts; memory is not its concern)."""
+
+    num_pages: int  # including the padding page 0
+    page_size: int  # tokens per page
+    max_requests: int  # request slots 1..max_requests
+    max_context_len: int  # tokens per request
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_requests", "max_context_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is padding), got {self.num_pages}")
+        if self.num_pages > INT32_MAX // self.page_size:
+            raise ValueError(
+                f"num_pages * page_size must fit in int32 token slots, got {self.num_pages} * {self.page_size}"
+            )
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return -(-self.max_context_len // self.page_size)
+
+    @property
+    def block_table_shape(self) -> tuple[int, int]:
+        return (self.max_requests + 1, self.max_pages_per_request)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OwnerUsage:
+    owner: OwnerId
+    num_requests: int
+    num_pages_held: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolStats:
+    num_pages_total: int  # usable pages: num_pages - 1
+    num_free_pages: int
+    num_cached_pages: int  # always 0 until the prefix cache lands
+    num_used_pages: int
+    num_free_request_slots: int
+    num_open_requests: int
+    owners: tuple[OwnerUsage, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AuditReport:
+    ok: bool
+    problems: tuple[str, ...]
+    num_free_pages: int
+    num_cached_pages: int
+    num_used_pages: int

@@ -1,0 +1,125 @@
+"""The page pool: page ids ``[1, num_pages)``, a reference count each, a free stack."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmem.server.core.words import StampedWords
+from kvmem.server.errors import CorruptionError
+
+
+class PagePool:
+    """Page ids ``[1, num_pages)`` with a reference count each and a free stack.
+
+    Invariants (only this class changes ``ref_cnt``, ``_free`` and ``_num_free``): a
+    page is in ``_free[:_num_free]`` exactly when its ``ref_cnt`` is 0; page 0 is never
+    in the stack and its ``ref_cnt`` stays 0. The stack is a preallocated array, so a
+    take or a give back of ``P`` pages costs O(P), whatever the pool's size.
+
+    Each page has one :class:`~kvmem.server.core.words.StampedWords` word: the
+    reference count is its value (``ref_cnt``), and :meth:`unref` uses the stamp to
+    find pages listed twice, so a free check reads count and stamp with one gather.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._words = StampedWords(num_pages, 1 << 16)
+        self.ref_cnt = self._words.value
+        # Descending, so the first pages handed out are 1, 2, 3, ... (readable in tests).
+        self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
+        self._num_free = num_pages - 1
+        # The words of pages held once and stamped 0, 1, 2, ...
+        self._expect_once = StampedWords.expected(1, self._words.order_size)
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def free_pages(self) -> np.ndarray:
+        """The free stack (a view; the top is the end). For the audit and tests."""
+        return self._free[: self._num_free]
+
+    def take(self, num: int) -> np.ndarray:
+        """Pop ``num`` free pages and set their count to 1. O(num). Caller checks space."""
+        top = self._num_free
+        if num > top:
+            raise CorruptionError(f"take({num}) with only {top} free pages")
+        pages = self._free[top - num : top][::-1].copy()
+        self._num_free = top - num
+        self._words.word[pages] = 1  # count 1, stamp cleared
+        return pages
+
+    def unref(self, pages: np.ndarray) -> int:
+        """Drop one reference from each entry of ``pages`` (a page may appear several
+        times); pages whose count reaches 0 go back to the free stack. A page that is
+        already free, page 0, or a page listed more often than it is referenced is a
+        double free: nothing changes and :class:`CorruptionError` is raised. Returns the
+        number of pages freed.
+
+        Cost O(P), three passes over the pages (the stamped-word check: scatter the
+        positions, gather the words, compare with ``position << 32 | 1``) proving every
+        page held once and listed once; then one scatter frees them. Shared pages
+        (counts above 1) take a second look at the counts; pages listed more than once
+        are counted with a sort, O(P log P).
+        """
+        n = pages.size
+        if n == 0:
+            return 0
+        idx = self._indices(pages)
+        words = self._words
+        order = words.positions(n)
+        expect = self._expect_once if n <= words.order_size else StampedWords.expected(1, n)
+        try:
+            words.stamp_positions(idx, order)  # scratch: changes no count
+        except IndexError:
+            raise self._out_of_range(pages) from None
+        word = words.word
+        got = word.take(idx)  # a shade cheaper than word[idx]
+        if expect.startswith(got):  # type: ignore[arg-type]  # numpy's stubs omit the buffer protocol
+            word[idx] = 0
+            return self._push(pages)
+        counts, stamps = StampedWords.split(got)
+        if np.count_nonzero(counts < 1):
+            bad = pages[counts < 1].tolist()[:16]
+            raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
+        if np.count_nonzero(stamps != order):
+            return self._unref_repeated(pages)  # some page listed more than once
+        counts = counts - 1
+        word[idx] = counts  # new counts, stamps cleared
+        return self._push(pages[counts == 0])
+
+    def _indices(self, pages: np.ndarray) -> np.ndarray:
+        """intp indices (numpy would convert int32 ones on every use). int32 ids (a
+        block table's) go through uint32: a negative id becomes one past the pool and
+        fails the stamp scatter; page 0 has count 0, so it reads as a double free. No
+        pass of its own for either check."""
+        if pages.dtype == np.int32:
+            return pages.view(np.uint32).astype(np.intp)
+        wide = np.asarray(pages, dtype=np.int64)
+        if int(wide.min()) < 0 or int(wide.max()) >= self.num_pages:
+            raise self._out_of_range(wide)
+        return wide.astype(np.intp)
+
+    def _out_of_range(self, pages: np.ndarray) -> CorruptionError:
+        bad = pages[(pages < 0) | (pages >= self.num_pages)].tolist()[:16]
+        return CorruptionError(f"unref of page ids outside [1, {self.num_pages}): {bad}", pages=bad)
+
+    def _unref_repeated(self, pages: np.ndarray) -> int:
+        """:meth:`unref` of a list with repeated pages (nothing changed yet). O(P log P)."""
+        pages, times = np.unique(pages, return_counts=True)
+        idx = pages.astype(np.intp)
+        counts = self.ref_cnt[idx]
+        short = counts < times
+        if np.count_nonzero(short):
+            bad = pages[short].tolist()[:16]
+            raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
+        counts -= times
+        self._words.word[idx] = counts
+        return self._push(pages[counts == 0])
+
+    def _push(self, freed: np.ndarray) -> int:
+        # The prefix cache will send cached pages to an evictable LRU here instead.
+        top = self._num_free
+        self._free[top : top + freed.size] = freed
+        self._num_free = top + freed.size
+        return int(freed.size)

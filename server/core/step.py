@@ -1,0 +1,101 @@
+"""The step's validation, and its releases and truncates.
+
+:func:`validate` checks a whole :class:`StepBatch` before anything changes and returns
+what the apply phase needs; bad input raises :class:`KVMemError` naming the column, the
+item and the value (the first offending item, by :func:`raise_first`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kvmem.server.core.batch import NO_EXPECTATION, StepBatch, raise_first
+from kvmem.server.core.config import INT32_MAX
+from kvmem.server.core.slots import Owner, RequestSlots
+from kvmem.server.core.table import BlockTable
+from kvmem.server.errors import KVMemError, Reason
+
+
+def validate(slots: RequestSlots, state: Owner, batch: StepBatch) -> np.ndarray | None:
+    """Check every item of ``batch`` (lengths already checked); change nothing.
+    Returns each alloc item's length before its alloc (after this step's truncates),
+    or None when there are no allocs. O(n)."""
+    rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
+    if rel.size:
+        slots.check(state, rel, "release_slots")
+    if tr.size:
+        slots.check(state, tr, "truncate_slots", rel)
+        _check_truncate_lens(tr, batch.truncate_lens, slots.alloced[tr])
+    if not al.size:
+        return None
+    slots.check(state, al, "alloc_slots", rel)
+    need = batch.alloc_needs
+    raise_first(
+        need.view(np.uint64) > INT32_MAX,  # negatives wrap to huge
+        lambda i: KVMemError(Reason.BAD_VALUE, f"alloc_needs[{i}] must be in [0, 2^31), got {int(need[i])}", index=i),
+    )
+    if tr.size:
+        lengths = slots.alloced.copy()
+        lengths[tr] = batch.truncate_lens
+        cur = lengths[al]
+    else:
+        cur = slots.alloced[al]
+    expected = batch.expectations()
+    if expected is not None:
+        _check_expected(al, expected, cur)
+    return cur
+
+
+def _check_truncate_lens(tr: np.ndarray, lens: np.ndarray, cur: np.ndarray) -> None:
+    raise_first(
+        lens < 0,
+        lambda i: KVMemError(Reason.BAD_VALUE, f"truncate_lens[{i}] must be >= 0, got {int(lens[i])}", index=i),
+    )
+    raise_first(lens > cur, _disagreement(Reason.TRUNCATE_BEYOND_ALLOCED, "truncate_lens", lens, "is beyond", tr, cur))
+
+
+def _check_expected(al: np.ndarray, expected: np.ndarray, cur: np.ndarray) -> None:
+    raise_first(
+        expected < NO_EXPECTATION,
+        lambda i: KVMemError(
+            Reason.BAD_VALUE, f"alloc_expected_lens[{i}] must be >= 0 (or -1 for none), got {int(expected[i])}", index=i
+        ),
+    )
+    raise_first(
+        (expected != NO_EXPECTATION) & (expected != cur),
+        _disagreement(Reason.ALLOCED_LEN_MISMATCH, "alloc_expected_lens", expected, "differs from", al, cur),
+    )
+
+
+def _disagreement(
+    reason: Reason, column: str, values: np.ndarray, says: str, slots: np.ndarray, cur: np.ndarray
+) -> Callable[[int], KVMemError]:
+    """The error of item ``i`` whose length ``values[i]`` disagrees with its slot's."""
+
+    def error(i: int) -> KVMemError:
+        value, slot, length = int(values[i]), int(slots[i]), int(cur[i])
+        message = f"{column}[{i}] = {value} {says} alloced_len {length} of slot {slot}"
+        return KVMemError(reason, message, index=i, slot=slot, alloced_len=length)
+
+    return error
+
+
+def release(slots: RequestSlots, table: BlockTable, state: Owner, rel: np.ndarray) -> int:
+    """End requests: drop their pages, zero their rows, free their slots. Returns the
+    pages dropped. O(n * width)."""
+    dropped = table.drop_rows(rel, slots.alloced[rel])
+    state.num_pages_held -= dropped
+    slots.close(state, rel)
+    return dropped
+
+
+def truncate(slots: RequestSlots, table: BlockTable, state: Owner, tr: np.ndarray, new_lens: np.ndarray) -> int:
+    """Shrink requests to ``new_lens``: pages past ``ceil(new_len / page_size)`` are
+    dropped. Returns the pages dropped. O(n + P)."""
+    have = table.num_pages_for(slots.alloced[tr])
+    dropped = table.drop_pages(tr, table.num_pages_for(new_lens), have)
+    state.num_pages_held -= dropped
+    slots.alloced[tr] = new_lens
+    return dropped

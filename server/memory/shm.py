@@ -1,0 +1,296 @@
+"""The shm backend: the KV cache and the block table in POSIX shared memory
+(``/dev/shm``), the embedded default, and :func:`remove_stale`, which removes the files
+of servers that died."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import weakref
+
+import numpy as np
+import torch
+
+from kvmem.server.memory.base import HandleInfo, MemoryBackend, log
+from kvmem.server.memory.geometry import GeometryError, PoolSpec, format_size
+
+_ID_RE = r"(\d+-[0-9a-f]{16})"
+
+
+def _file_re(prefix: str) -> re.Pattern[str]:
+    return re.compile(rf"^{re.escape(prefix)}-{_ID_RE}(\.kv|\.bt|\.lock)$")
+
+
+def _check_prefix(prefix: str) -> None:
+    if not prefix or not re.fullmatch(r"[A-Za-z0-9_.]+", prefix):
+        raise ValueError(f"shm file prefix must be letters, digits, '_' or '.', got {prefix!r}")
+
+
+def _unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def remove_stale(directory: str = "/dev/shm", prefix: str = "kvmem") -> list[str]:
+    """Delete the shm files (``{prefix}-{pid}-{id}.kv/.bt/.lock``) of this user's kvmem
+    servers that are gone, and return their paths.
+
+    A live server holds an exclusive ``flock`` on its ``.lock`` file for its lifetime,
+    so a set is removed only when its lock can be taken (the owner died, e.g. SIGKILL)
+    or when its lock file is missing (a set is created lock first and removed lock
+    last, so data files without a lock belong to nobody). Files of other users and
+    sets whose lock is held are never touched. Cost: one directory listing plus O(1)
+    syscalls per kvmem file set.
+    """
+    _check_prefix(prefix)
+    pattern = _file_re(prefix)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    sets: dict[str, list[str]] = {}
+    for name in names:
+        m = pattern.match(name)
+        if m:
+            sets.setdefault(m.group(1), []).append(name)
+    uid = os.getuid()
+    removed: list[str] = []
+    for server_id, files in sets.items():
+        lock_path = os.path.join(directory, f"{prefix}-{server_id}.lock")
+        try:
+            fd: int | None = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = None  # data files without a lock: an abandoned set
+        except OSError:
+            continue  # not ours (permission) or not a regular file: leave it
+        try:
+            if fd is not None:
+                if os.fstat(fd).st_uid != uid:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live server holds it
+            # Data files first, the lock last (the order a set is created in reverse).
+            for name in sorted(files, key=lambda n: n.endswith(".lock")):
+                path = os.path.join(directory, name)
+                try:
+                    if os.lstat(path).st_uid != uid:
+                        continue
+                except FileNotFoundError:
+                    continue
+                if _unlink_quietly(path):
+                    removed.append(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    if removed:
+        log.warning("removed %d stale kvmem shm file(s) in %s: %s", len(removed), directory, removed)
+    return removed
+
+
+def _close_shm_files(paths: tuple[str, ...], lock_fd: int, owner_pid: int) -> None:
+    """Finalizer of a :class:`ShmBackend`: unlink its files (lock last), drop the lock.
+    Only in the process that created them: a forked child exiting normally runs exit
+    hooks too, and must not remove the live server's files."""
+    if os.getpid() != owner_pid:
+        return
+    for path in paths:
+        _unlink_quietly(path)
+    with contextlib.suppress(OSError):
+        os.close(lock_fd)
+
+
+def _create_file(path: str, size: int, reserve: bool) -> int:
+    """Create ``path`` (mode 0600, must not exist) of ``size`` bytes and return its fd."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask did
+        if reserve:
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise
+    return fd
+
+
+def _map_fd(fd: int, size: int) -> mmap.mmap:
+    # The mapping lives as long as a tensor over it; it is never closed explicitly
+    # (mmap.close() under a live torch.frombuffer tensor would leave it dangling).
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+class ShmBackend(MemoryBackend):
+    """The KV cache and the block table in POSIX shared memory (the embedded default).
+
+    Files in ``directory``: ``{prefix}-{pid}-{random}.kv`` (the KV cache, one file for
+    all layers), ``.bt`` (the int32 block table) and ``.lock`` (held with an exclusive
+    ``flock`` for the backend's life; see :func:`remove_stale`, which the constructor
+    runs first). All are mode 0600, so only the server's user can map them.
+
+    ``pool`` is a :class:`PoolSpec`, validated when it was built; it is not checked again.
+
+    Costs: construction is O(1) Python work -- ``posix_fallocate`` (``reserve=True``)
+    has the kernel reserve and zero the pages up front (about 0.4 s per GiB on tmpfs),
+    so a too-small or later-filled ``/dev/shm`` fails here with a clear error instead of
+    as a SIGBUS in a client later; ``reserve=False`` only checks the free space and
+    uses ``ftruncate`` (sparse, instant, zero pages on first touch: cheaper, but the pages
+    are not promised). Mapping is one ``mmap`` per file.
+
+    :meth:`close` unlinks the files; it also runs when the backend is garbage collected
+    and at interpreter exit (``weakref.finalize``). A SIGTERM handler must call
+    :meth:`close` (Python does not run exit hooks on an unhandled signal); after a
+    SIGKILL the next start removes the files. Mapped memory stays valid for anyone who
+    still maps it after the files are unlinked.
+    """
+
+    name = "shm"
+    syncs_rows = False  # clients map the host table itself
+
+    def __init__(
+        self,
+        pool: PoolSpec,
+        directory: str = "/dev/shm",
+        prefix: str = "kvmem",
+        *,
+        reserve: bool = True,
+    ) -> None:
+        _check_prefix(prefix)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"shm directory {directory!r} does not exist")
+        super().__init__(pool)
+        self.directory = directory
+        remove_stale(directory, prefix)
+
+        kv_bytes, bt_bytes = pool.kv_bytes, pool.block_table_bytes
+        self._needed = kv_bytes + bt_bytes
+        # Checked in both modes: refused before fallocate, which on a file system without
+        # native support would write its way to ENOSPC.
+        self._check_space(self._needed)
+
+        lock_fd, base = self._create_lock(directory, prefix)
+        self.server_id = os.path.basename(base)[len(prefix) + 1 :]
+        self.kv_path = base + ".kv"
+        self.block_table_path = base + ".bt"
+        self.lock_path = base + ".lock"
+        # Unlinked in this order: data first, the lock last (see remove_stale).
+        self._finalizer = weakref.finalize(
+            self, _close_shm_files, (self.kv_path, self.block_table_path, self.lock_path), lock_fd, os.getpid()
+        )
+        try:
+            kv_map = self._create_and_map(self.kv_path, kv_bytes, reserve)
+            bt_map = self._create_and_map(self.block_table_path, bt_bytes, reserve)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._kv: torch.Tensor | None = (
+            torch.frombuffer(kv_map, dtype=torch.uint8).view(pool.geometry.torch_dtype).view(pool.kv_shape)
+        )
+        self.block_table = np.frombuffer(bt_map, dtype=np.int32).reshape(pool.block_table_shape)
+        self._kv_bytes = kv_bytes
+        self._bt_bytes = bt_bytes
+        self._log_created(f"in {self.kv_path}")
+
+    # -- construction helpers
+
+    def _check_space(self, needed: int) -> None:
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        if needed > free:
+            raise GeometryError(self._space_message(needed, free))
+
+    def _space_message(self, needed: int, free: int) -> str:
+        return (
+            f"the shm pool needs {needed} bytes ({format_size(needed)}) but {self.directory} has "
+            f"{free} bytes ({format_size(free)}) free: lower --num-pages/--memory or enlarge "
+            f"{self.directory} (docker run --shm-size)"
+        )
+
+    def _create_and_map(self, path: str, size: int, reserve: bool) -> mmap.mmap:
+        try:
+            fd = _create_file(path, size, reserve)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                st = os.statvfs(self.directory)
+                raise GeometryError(self._space_message(self._needed, st.f_bavail * st.f_frsize)) from None
+            raise
+        try:
+            return _map_fd(fd, size)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _create_lock(directory: str, prefix: str) -> tuple[int, str]:
+        """Create and flock a fresh lock file. A concurrent :func:`remove_stale` may take
+        and delete a lock between its creation and our flock; then try another name."""
+        for _ in range(8):
+            base = os.path.join(directory, f"{prefix}-{os.getpid()}-{secrets.token_hex(8)}")
+            try:
+                fd = os.open(base + ".lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                continue
+            try:
+                os.fchmod(fd, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(fd).st_nlink > 0:
+                    return fd, base
+            except BlockingIOError:
+                pass
+            os.close(fd)
+        raise RuntimeError(f"could not create a kvmem lock file in {directory}")
+
+    # -- interface
+
+    @property
+    def num_ranks(self) -> int:
+        return 1
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def kv(self, rank: int = 0) -> torch.Tensor:
+        """The whole KV cache (one mapping). O(1)."""
+        self._check_rank(rank)
+        if self._kv is None:
+            raise RuntimeError("the shm backend is closed")
+        return self._kv
+
+    def handles(self) -> list[HandleInfo]:
+        """The KV file and the block-table file (rank 0). O(1)."""
+        kv = self._kv
+        if self.closed or kv is None:
+            raise RuntimeError("the shm backend is closed")
+        g = self.geometry
+        return [
+            HandleInfo("kv", 0, g.dtype, tuple(kv.shape), self._kv_bytes, shm_path=self.kv_path),
+            HandleInfo(
+                "block_table",
+                0,
+                "int32",
+                tuple(self.block_table.shape),
+                self._bt_bytes,
+                shm_path=self.block_table_path,
+            ),
+        ]
+
+    def sync_rows(self, rows: np.ndarray) -> None:
+        """No-op: clients map the host table itself. (The gRPC round trip after the core
+        writes the rows orders the stores before the client reads them.)"""
+
+    def close(self) -> None:
+        """Unlink the files and drop this backend's mappings (they are unmapped once no
+        tensor view of them is left). Idempotent. O(1)."""
+        self._finalizer()
+        self._kv = None

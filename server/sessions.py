@@ -1,0 +1,196 @@
+"""Sessions over the core, with no gRPC: what the service calls.
+
+This layer is the one registry of sessions: their unguessable ids, names, leases and
+quotas live here and only here; the core knows each session as a small integer owner
+(:meth:`KVCore.add_owner`). It also holds the server's epoch, the memory backend whose
+block table the core writes, and the totals that metrics read. Every method runs to
+completion without awaiting, so on the server's one event loop each call is one
+critical section: steps of many sessions interleave, never half-applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from kvmem.server.core import AllocStatus, AuditReport, CoreConfig, KVCore, OwnerId, PoolStats, StepBatch, StepResult
+from kvmem.server.errors import KVMemError, Reason
+
+log = logging.getLogger("kvmem.sessions")
+
+MAX_NAME_CHARS = 256
+
+
+class BlockTableSink(Protocol):
+    """What the sessions layer needs of a memory backend: the host block table the core
+    writes, and a hook run after each step with the rows it changed."""
+
+    block_table: np.ndarray
+    syncs_rows: bool  # False: sync_rows is a no-op and need not be called
+
+    def sync_rows(self, rows: np.ndarray) -> None: ...
+
+
+@dataclasses.dataclass(slots=True)
+class Session:
+    """One attached client. ``last_seen`` (monotonic seconds) is refreshed by every
+    call and keep-alive message; the session ends when it is older than the lease.
+    ``owner`` is its index in the core, shown in Stats (never the id)."""
+
+    session_id: str
+    name: str
+    owner: OwnerId
+    quota_pages: int | None
+    last_seen: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SessionUsage:
+    session: Session
+    num_requests: int
+    num_pages_held: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerStats:
+    pool: PoolStats
+    sessions: tuple[SessionUsage, ...]
+    audit: AuditReport | None
+    num_steps: int
+    uptime_s: float
+
+
+class Sessions:
+    """The server's state. Not thread-safe: call it from one event loop."""
+
+    def __init__(
+        self,
+        config: CoreConfig,
+        lease_s: float,
+        memory: BlockTableSink | None = None,
+        *,
+        audit_every_step: bool = False,
+    ) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease must be > 0 seconds, got {lease_s}")
+        self.epoch = secrets.token_hex(8)
+        self.lease_s = lease_s
+        self._sync_memory = memory if memory is not None and memory.syncs_rows else None
+        table = None if memory is None else memory.block_table
+        self.core = KVCore(config, table, audit_every_step=audit_every_step)
+        self.by_id: dict[str, Session] = {}
+        self._started = time.monotonic()
+        # Totals since start, for metrics: integer additions on the hot path.
+        self.num_steps = 0
+        self.num_pages_allocated = 0
+        self.num_pages_released = 0
+        self.alloc_items = [0] * len(AllocStatus)  # by AllocStatus value
+        self.sessions_ended: dict[str, int] = {}  # by why
+        self.accepting = True  # False once shutdown starts: no new sessions
+
+    # ---------------------------------------------------------------- sessions
+
+    def attach(self, name: str, quota_pages: int | None) -> Session:
+        """Start a session. O(1) (plus the core's O(max_requests) numpy, once)."""
+        if not self.accepting:
+            raise KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: no new sessions")
+        if len(name) > MAX_NAME_CHARS:
+            raise KVMemError(Reason.BAD_VALUE, f"session name is {len(name)} characters, at most {MAX_NAME_CHARS}")
+        if quota_pages is not None and (not isinstance(quota_pages, int) or quota_pages < 0):
+            raise KVMemError(Reason.BAD_VALUE, f"quota_pages must be an integer >= 0, got {quota_pages!r}")
+        if quota_pages is not None and quota_pages > self.core.config.num_pages:
+            quota_pages = self.core.config.num_pages  # a quota above the pool is no quota
+        owner = self.core.add_owner()
+        session = Session(secrets.token_urlsafe(24), name or f"session-{owner}", owner, quota_pages, time.monotonic())
+        self.by_id[session.session_id] = session
+        log.info("session attached name=%s index=%d quota_pages=%s", session.name, owner, quota_pages)
+        return session
+
+    def session(self, session_id: str) -> Session:
+        """The live session with this id, its lease refreshed; FAILED_PRECONDITION if
+        there is none (never attached, ended, or from an earlier server run)."""
+        session = self.by_id.get(session_id)
+        if session is None:
+            raise KVMemError(
+                Reason.UNKNOWN_SESSION,
+                f"unknown session {_redact(session_id)}: it ended (detach, lease expiry or a broken "
+                f"keep-alive) or belongs to another server run; this server's epoch is {self.epoch}",
+                epoch=self.epoch,
+            )
+        session.last_seen = time.monotonic()
+        return session
+
+    def end(self, session_id: str, why: str) -> int:
+        """Release everything the session holds and forget it. Returns the number of
+        requests released; 0 if it had already ended."""
+        session = self.by_id.pop(session_id, None)
+        if session is None:
+            return 0
+        sink = self._sync_memory
+        rows = self.core.slots_of(session.owner) if sink is not None else None
+        self.num_pages_released += self.core.pages_held(session.owner)
+        released = self.core.remove_owner(session.owner)
+        if sink is not None and rows is not None and rows.size:
+            sink.sync_rows(rows)
+        self.sessions_ended[why] = self.sessions_ended.get(why, 0) + 1
+        log.info(
+            "session ended name=%s index=%d why=%s requests_released=%d", session.name, session.owner, why, released
+        )
+        return released
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """End every session idle for longer than the lease. O(sessions)."""
+        now = time.monotonic() if now is None else now
+        stale = [s.session_id for s in self.by_id.values() if now - s.last_seen > self.lease_s]
+        for session_id in stale:
+            self.end(session_id, "lease expired")
+        return stale
+
+    # --------------------------------------------------------------- requests
+
+    def open(self, session_id: str, request_ids: Sequence[str]) -> np.ndarray:
+        return self.core.open(self.session(session_id).owner, request_ids)
+
+    def step(self, session_id: str, batch: StepBatch) -> StepResult:
+        session = self.session(session_id)
+        result = self.core.step(session.owner, batch, session.quota_pages)
+        self.num_steps += 1
+        self.num_pages_allocated += result.new_pages.size
+        self.num_pages_released += result.num_pages_released
+        refused = result.num_refused
+        self.alloc_items[AllocStatus.OK] += result.alloc_status.size - refused
+        if refused:  # the core counted them: no array operation for metrics on a step that fits
+            for value, n in enumerate(np.bincount(result.alloc_status, minlength=len(AllocStatus)).tolist()[1:], 1):
+                self.alloc_items[value] += n
+        if self._sync_memory is not None:
+            self._sync_changed_rows(batch, result)
+        return result
+
+    def _sync_changed_rows(self, batch: StepBatch, result: StepResult) -> None:
+        """Rows that changed: released and truncated ones, and allocs that took pages
+        (a decode step mostly fills tails: few rows change)."""
+        al = batch.alloc_slots
+        grew = al[np.diff(result.new_page_offsets) > 0] if result.new_pages.size else al[:0]
+        changed = [a for a in (batch.release_slots, batch.truncate_slots, grew) if a.size]
+        if changed and self._sync_memory is not None:
+            self._sync_memory.sync_rows(np.concatenate(changed) if len(changed) > 1 else changed[0])
+
+    def stats(self, audit: bool) -> ServerStats:
+        pool = self.core.stats()
+        usage = {o.owner: o for o in pool.owners}
+        rows = tuple(
+            SessionUsage(s, usage[s.owner].num_requests, usage[s.owner].num_pages_held) for s in self.by_id.values()
+        )
+        audit_report = self.core.audit() if audit else None
+        return ServerStats(pool, rows, audit_report, self.num_steps, time.monotonic() - self._started)
+
+
+def _redact(session_id: str) -> str:
+    """Enough of a session id to recognise it in a log, not enough to use it."""
+    return repr(session_id[:6] + "…") if len(session_id) > 6 else repr(session_id)
