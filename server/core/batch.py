@@ -88,16 +88,20 @@ class StepBatch:
         return expected if expected is not None and expected.size else None
 
     def check_lengths(self) -> None:
-        """Columns of one kind have one length each (O(1))."""
+        """Columns of one kind have one length each (O(1); plain comparisons, since
+        every step pays for them)."""
         tr, al = self.truncate_slots.size, self.alloc_slots.size
-        pairs = [("truncate_slots", tr, "truncate_lens", self.truncate_lens.size)]
-        pairs.append(("alloc_slots", al, "alloc_needs", self.alloc_needs.size))
-        expected = self.expectations()
-        if expected is not None:
-            pairs.append(("alloc_slots", al, "alloc_expected_lens", expected.size))
-        for name, n, other, m in pairs:
-            if n != m:
-                raise KVMemError(Reason.LENGTH_MISMATCH, f"{name} has {n} items but {other} has {m}")
+        if tr != self.truncate_lens.size:
+            raise _mismatch("truncate_slots", tr, "truncate_lens", self.truncate_lens.size)
+        if al != self.alloc_needs.size:
+            raise _mismatch("alloc_slots", al, "alloc_needs", self.alloc_needs.size)
+        expected = self.alloc_expected_lens
+        if expected is not None and expected.size and expected.size != al:
+            raise _mismatch("alloc_slots", al, "alloc_expected_lens", expected.size)
+
+
+def _mismatch(name: str, n: int, other: str, m: int) -> KVMemError:
+    return KVMemError(Reason.LENGTH_MISMATCH, f"{name} has {n} items but {other} has {m}")
 
 
 @dataclasses.dataclass(slots=True)
