@@ -28,7 +28,7 @@ _WHERE = {
         name: "kvmem.client.errors"
         for name in (
             "FailedPrecondition", "InvalidArgument", "KVMemError", "NoFreeRequestSlot", "NotFound", "Reason",
-            "SessionLost", "Unauthenticated", "Unavailable",
+            "SessionLost", "TooManySessions", "Unauthenticated", "Unavailable",
         )
     },
 }  # fmt: skip
@@ -60,6 +60,7 @@ __all__ = [
     "Reason",
     "SessionLost",
     "StepResult",
+    "TooManySessions",
     "Unauthenticated",
     "Unavailable",
     "stats",

@@ -17,8 +17,9 @@ import grpc
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 from .channel import CHANNEL_OPTIONS
-from .errors import KVMemError
-from .session import Awaiting, Call, ClientBase, Session
+from .errors import KVMemError, SessionLost
+from .session import Call, Session
+from .surface import Awaiting, ClientBase
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -66,13 +67,17 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
     async def _perform(self, call: Call[T]) -> T:
         rpc = getattr(self._stub, call.method)
         try:
-            response = await rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
-        except grpc.RpcError as err:
-            raise self._session.failed(err) from None
+            try:
+                response = await rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
+            except grpc.RpcError as err:
+                raise self._session.failed(err) from None
+            return self._session.finish(call, response)
+        except SessionLost:
+            await self._stop_keepalive()  # over for this client: closing the stream tells the server it let go
+            raise
         finally:
             if call.ends_session:
                 await self._stop_keepalive()
-        return self._session.finish(call, response)
 
     async def close(self) -> None:
         """Detach (if still attached) and close the channel. Idempotent."""
@@ -104,26 +109,30 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
         first, later = self._session.keepalive_requests()
         interval = self._session.keepalive_interval
 
+        session = self._session
+
         async def requests() -> AsyncIterator[kvmem_pb2.KeepAliveRequest]:
+            session.keepalive_sent()
             yield first
             while True:
                 try:
                     await asyncio.wait_for(self._closing.wait(), interval)
                     return
                 except TimeoutError:
+                    session.keepalive_sent()
                     yield later
 
-        call = self._stub.KeepAlive(requests(), metadata=self._session.metadata)
+        call = self._stub.KeepAlive(requests(), metadata=session.metadata)
         try:
             async for _ in call:
-                pass
+                session.keepalive_answered()
         except grpc.RpcError as err:
-            self._session.keepalive_ended(err)
+            self._session.keepalive_ended(err, self._closing.is_set())
         except asyncio.CancelledError:
             call.cancel()
             raise
         else:
-            self._session.keepalive_ended(None)
+            self._session.keepalive_ended(None, self._closing.is_set())
 
     async def _stop_keepalive(self) -> None:
         self._closing.set()

@@ -74,11 +74,24 @@ class FailedPrecondition(KVMemError):
 
 class SessionLost(FailedPrecondition):
     """The session is gone: detached, lease expired, keep-alive broken, or the server
-    restarted (its epoch changed). Attach again; every slot and handle is void."""
+    restarted (its epoch changed). Attach again; every slot is void.
+
+    ``views_stale`` is True when the server itself is gone or was replaced (its process
+    died, it shut down, its epoch changed): then every KV and block-table view taken from
+    this client is stale too. The client has dropped its own mappings; drop yours (any
+    tensor from ``kv_cache()``, ``block_table``, ``memory``), so the old memory can be
+    freed and a restarted server can allocate its pool, then re-attach, re-map and
+    re-open (README: "Recovering from a lost session")."""
+
+    views_stale: bool = False
 
 
 class NoFreeRequestSlot(KVMemError):
     """Every request slot of the server is open."""
+
+
+class TooManySessions(KVMemError):
+    """The server holds as many sessions as its --max-sessions allows."""
 
 
 class Unauthenticated(KVMemError):
@@ -99,6 +112,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KVMemError]] = {
 _BY_REASON: dict[Reason, type[KVMemError]] = {
     Reason["UNKNOWN_SESSION"]: SessionLost,
     Reason["NO_FREE_REQUEST_SLOT"]: NoFreeRequestSlot,
+    Reason["TOO_MANY_SESSIONS"]: TooManySessions,
 }
 
 

@@ -2,20 +2,20 @@
 
 :class:`Session` builds every request and reads every response and failure of one
 session, and does no I/O: attach, the calls, detach and close, the keep-alive's messages
-and what its end means, the epoch check, the error mapping. :class:`ClientBase` is the
-method surface both clients expose; each method is an :class:`Operation`: the Session
-builds the :class:`Call`, the client makes it, the Session reads the answer.
+and what its end means, the epoch check, the lease fence, the error mapping.
+:class:`~kvmem.client.surface.ClientBase` is the method surface both clients expose;
+each method is an :class:`~kvmem.client.surface.Operation`: the Session builds the
+:class:`Call`, the client makes it, the Session reads the answer.
 :class:`~kvmem.client.sync.KVMemClient` makes calls blocking,
 :class:`~kvmem.client.aio.AsyncKVMemClient` awaits them; that is all they add.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import types
-from collections.abc import Callable, Coroutine
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+import collections
+import time
+from collections.abc import Callable
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import grpc
 import torch
@@ -23,9 +23,8 @@ from google.protobuf.message import Message
 
 from kvmem.v1 import kvmem_pb2
 
-from .channel import auth_metadata, normalize_target
+from .channel import auth_metadata
 from .errors import KVMemError, Reason, SessionLost, from_rpc_error
-from .memory import KVLayer, MappedMemory
 from .step import NO_COLUMN, IntsLike, StepResult, as_ints
 
 T = TypeVar("T")
@@ -39,18 +38,29 @@ _NOT_ATTACHED = "not attached: use `await AsyncKVMemClient.connect(...)` or `asy
 class Call(Generic[T]):
     """One unary call, described and not made: the stub's method name, the request, the
     deadline in seconds, and ``read``, which turns the response into what the caller
-    gets. ``ends_session``: the client stops its keep-alive once the call is done."""
+    gets. ``ends_session``: the client stops its keep-alive once the call is done.
+    ``fenced``: its answer is handed over only while the lease is known to hold (a Step:
+    its pages are the session's only while the session lives). ``sent_at``: when it was
+    built, just before it is sent (monotonic seconds)."""
 
-    __slots__ = ("ends_session", "method", "read", "request", "timeout")
+    __slots__ = ("ends_session", "fenced", "method", "read", "request", "sent_at", "timeout")
 
     def __init__(
-        self, method: str, request: Message, timeout: float, read: Callable[[Any], T], ends_session: bool = False
+        self,
+        method: str,
+        request: Message,
+        timeout: float,
+        read: Callable[[Any], T],
+        ends_session: bool = False,
+        fenced: bool = False,
     ) -> None:
         self.method = method
         self.request = request
         self.timeout = timeout
         self.read = read
         self.ends_session = ends_session
+        self.fenced = fenced
+        self.sent_at = time.monotonic()
 
 
 class Session:
@@ -71,6 +81,15 @@ class Session:
         self.geometry = kvmem_pb2.PoolGeometry()
         self.memory_handles: list[kvmem_pb2.MemoryHandle] = []
         self.lost: KVMemError | None = None
+        # Until when (monotonic seconds) the lease is known to hold: the send time of the
+        # latest message the server is known to have taken (its answer came), plus the
+        # lease. The server refreshes the lease when it takes a message, never earlier.
+        self.lease_valid_until = 0.0
+        self._keepalive_sent: collections.deque[float] = collections.deque()
+        # Called once, the first time the session is lost with its views stale (from the
+        # keep-alive thread, or the caller's, or its event loop): see SessionLost.views_stale.
+        self.on_views_stale: Callable[[SessionLost], None] | None = None
+        self.views_dropped = False
 
     # ------------------------------------------------------------------ calls
 
@@ -129,7 +148,7 @@ class Session:
         if atomic:
             columns["atomic"] = True
         request = kvmem_pb2.StepRequest(session_id=self._live_id(), **columns)
-        return Call("Step", request, self._deadline(timeout), StepResult)
+        return Call("Step", request, self._deadline(timeout), StepResult, fenced=True)
 
     def alloc(
         self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *, atomic: bool = False,
@@ -186,22 +205,54 @@ class Session:
 
     def finish(self, call: Call[T], response: Any) -> T:
         """What the caller gets from ``call``'s response. A changed epoch means the
-        server restarted: the session and its memory handles are gone."""
+        server restarted: the session and its memory handles are gone. A fenced call's
+        answer that arrives when the lease is no longer known to hold is withheld: the
+        server may have ended the session meanwhile and handed its pages to another
+        (DESIGN §6), so writing K/V through that answer could land in someone else's
+        pages."""
         epoch = response.epoch
         if epoch and self.epoch and epoch != self.epoch:
-            lost = SessionLost(
-                grpc.StatusCode.FAILED_PRECONDITION, UNSPECIFIED,
+            restarted = SessionLost(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                UNSPECIFIED,
                 f"the server restarted (epoch {self.epoch} is now {epoch}): attach again",
-            )  # fmt: skip
-            self._lose(lost)
-            raise lost
-        return call.read(response)
+            )
+            restarted.views_stale = True
+            self._lose(restarted)
+            self._check_not_lost()
+        if call.fenced:
+            self.lease_confirmed(call.sent_at)
+            now = time.monotonic()
+            if now >= self.lease_valid_until:
+                late_ms = (now - call.sent_at) * 1000
+                self._lose(
+                    SessionLost(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        UNSPECIFIED,
+                        f"the {call.method} answer arrived {late_ms:.0f} ms after it was sent, past the "
+                        f"{self.lease_ms} ms lease (the process was stopped or starved): the server may have ended "
+                        "the session and given its pages to another, so the answer is withheld; attach again",
+                    )
+                )
+                self._check_not_lost()
+        value = call.read(response)
+        self.lease_confirmed(call.sent_at)
+        return value
+
+    def lease_confirmed(self, sent_at: float) -> None:
+        """The server answered a message sent at ``sent_at``: it took it no earlier, so
+        the lease holds at least until ``sent_at`` + the lease."""
+        until = sent_at + self.lease_ms / 1000
+        if until > self.lease_valid_until:
+            self.lease_valid_until = until
 
     def failed(self, err: grpc.RpcError) -> KVMemError:
         """The kvmem error of a failed call. An unknown session stays unknown: later
         calls raise at once."""
         error = from_rpc_error(err)
         if isinstance(error, SessionLost):
+            server_epoch = error.metadata.get("epoch")
+            error.views_stale = bool(server_epoch) and server_epoch != self.epoch  # another server run
             self._lose(error)
         return error
 
@@ -216,21 +267,45 @@ class Session:
         """The stream's first message (it names the session) and every later one."""
         return kvmem_pb2.KeepAliveRequest(session_id=self.session_id), kvmem_pb2.KeepAliveRequest()
 
-    def keepalive_ended(self, err: grpc.RpcError | None) -> None:
+    def keepalive_sent(self) -> None:
+        """A keep-alive message goes out now (called just before it is yielded)."""
+        self._keepalive_sent.append(time.monotonic())
+
+    def keepalive_answered(self) -> None:
+        """The server answered the oldest unanswered keep-alive message (answers come
+        in order, one per message): the lease holds until its send time + the lease."""
+        if self._keepalive_sent:
+            self.lease_confirmed(self._keepalive_sent.popleft())
+
+    def keepalive_ended(self, err: grpc.RpcError | None, closing: bool) -> None:
         """The keep-alive stream ended: broken with ``err``, or closed by the server
-        (None). Unless the client ended the session itself, the session is lost, with
-        the server's reason if it sent one."""
+        (None). Unless the client ended it itself (``closing``), the session is lost,
+        with the server's reason if it sent one."""
+        if closing:
+            return
         if err is None:
             message = "the server ended the keep-alive stream"
             lost = SessionLost(grpc.StatusCode.UNAVAILABLE, UNSPECIFIED, message)
         else:
             error = from_rpc_error(err)
             lost = SessionLost(error.code, error.raw_reason, f"the keep-alive stream broke: {error}", error.metadata)
+        # Refused by this same server (the session lapsed, or a bad message): its memory is
+        # still there. Anything else (a transport failure, SHUTTING_DOWN, a server that
+        # does not know its own epoch) means the server is gone or going.
+        lost.views_stale = not (lost.reason == Reason["UNKNOWN_SESSION"] and lost.metadata.get("epoch") == self.epoch)
         self._lose(lost)
 
     def _lose(self, why: KVMemError) -> None:
-        if self.lost is None:  # the first cause stands (e.g. "detached", not the stream it closed)
-            self.lost = why
+        """The session is lost: the first cause stands, except that a later one saying the
+        server is gone (views stale) replaces one that did not, so the caller learns it."""
+        stale = why if isinstance(why, SessionLost) and why.views_stale and not self.views_dropped else None
+        if self.lost is not None and stale is None:
+            return
+        self.lost = why
+        if stale is not None:
+            self.views_dropped = True
+            if self.on_views_stale is not None:
+                self.on_views_stale(stale)
 
 
 def _slots(resp: kvmem_pb2.OpenResponse) -> torch.Tensor:
@@ -243,154 +318,3 @@ def _stats(resp: kvmem_pb2.StatsResponse) -> kvmem_pb2.StatsResponse:
 
 def _num_released(resp: kvmem_pb2.DetachResponse) -> int:
     return resp.num_requests_released
-
-
-# ---------------------------------------------------------------- the surface
-
-
-class Blocking:
-    """Type tag of a client whose methods block and return their result."""
-
-
-class Awaiting:
-    """Type tag of a client whose methods return awaitables."""
-
-
-class Operation(Generic[P, T]):
-    """A client method written once: ``build``, the :class:`Session` method that makes
-    its :class:`Call`; the client it is read from makes the call (``_invoke``), blocking
-    for a ``ClientBase[Blocking]``, awaitable for a ``ClientBase[Awaiting]``. The
-    method's name, docstring and parameters are ``build``'s."""
-
-    def __init__(self, build: Callable[Concatenate[Session, P], Call[T]]) -> None:
-        def method(client: ClientBase[Any], /, *args: P.args, **kwargs: P.kwargs) -> Any:
-            return client._invoke(build, *args, **kwargs)
-
-        functools.update_wrapper(method, build)
-        signature = inspect.signature(build)
-        method.__signature__ = signature.replace(return_annotation=inspect.Signature.empty)  # type: ignore[attr-defined]
-        self._method = method
-        self.__doc__ = build.__doc__
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._method.__qualname__ = f"{owner.__qualname__}.{name}"
-
-    @overload
-    def __get__(self, client: None, owner: type | None = None) -> Operation[P, T]: ...
-    @overload
-    def __get__(self, client: ClientBase[Blocking], owner: type | None = None) -> Callable[P, T]: ...
-    @overload
-    def __get__(
-        self, client: ClientBase[Awaiting], owner: type | None = None
-    ) -> Callable[P, Coroutine[Any, Any, T]]: ...
-    def __get__(self, client: ClientBase[Any] | None, owner: type | None = None) -> Any:
-        if client is None:
-            return self
-        return types.MethodType(self._method, client)
-
-
-class SessionField(Generic[T]):
-    """A read-only attribute of the client that is its :class:`Session`'s of the same name."""
-
-    def __init__(self, doc: str) -> None:
-        self.__doc__ = doc
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, client: None, owner: type | None = None) -> SessionField[T]: ...
-    @overload
-    def __get__(self, client: ClientBase[Any], owner: type | None = None) -> T: ...
-    def __get__(self, client: ClientBase[Any] | None, owner: type | None = None) -> T | SessionField[T]:
-        if client is None:
-            return self
-        value: T = getattr(client._session, self.name)
-        return value
-
-    def __set__(self, client: ClientBase[Any], value: T) -> None:
-        raise AttributeError(f"{self.name} is the session's: read-only")
-
-
-class ClientBase(Generic[Mode]):
-    """A session with a kvmem server: what both clients are. ``target`` is a unix
-    socket path (``/tmp/kvmem.sock`` or ``unix:/tmp/kvmem.sock``) or ``HOST:PORT``.
-    Every call takes ``timeout`` seconds (default: the client's). The memory handles of
-    the Attach are mapped on first use (``memory``, ``kv_cache``, ``block_table``)."""
-
-    _mapped: MappedMemory | None = None
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        name: str = "",
-        quota_pages: int | None = None,
-        timeout: float = 10.0,
-        auth_token: str | None = None,
-        keepalive: bool = True,
-    ) -> None:
-        self.target = normalize_target(target)
-        self._session = Session(
-            name=name, quota_pages=quota_pages, timeout=timeout, auth_token=auth_token, keepalive=keepalive
-        )
-        self._setup()
-
-    def _setup(self) -> None:
-        """The client's own start, at the end of the constructor."""
-
-    def _invoke(self, build: Callable[Concatenate[Session, P], Call[T]], /, *args: P.args, **kwargs: P.kwargs) -> Any:
-        """Build the call with ``build`` and make it (blocking: its result; asyncio: an
-        awaitable of it)."""
-        raise NotImplementedError
-
-    open = Operation(Session.open)
-    step = Operation(Session.step)
-    alloc = Operation(Session.alloc)
-    truncate = Operation(Session.truncate)
-    release = Operation(Session.release)
-    stats = Operation(Session.stats)
-    detach = Operation(Session.detach)
-
-    # ----------------------------------------------------------- the session
-
-    @property
-    def timeout(self) -> float:
-        """The default deadline of a call, in seconds."""
-        return self._session.timeout
-
-    @timeout.setter
-    def timeout(self, seconds: float) -> None:
-        self._session.timeout = seconds
-
-    session_id = SessionField[str]("Unguessable: it names the session in every call (empty until attached).")
-    epoch = SessionField[str]("The server run the session lives in (empty until attached).")
-    lease_ms = SessionField[int]("The session ends after this long without a call or keep-alive message.")
-    geometry = SessionField[kvmem_pb2.PoolGeometry]("The pool's geometry, as Attach reported it.")
-    memory_handles = SessionField[list[kvmem_pb2.MemoryHandle]]("The memory handles Attach returned.")
-
-    # -------------------------------------------------------------- memory
-
-    @property
-    def memory(self) -> MappedMemory:
-        """The server's KV memory and block table(s), mapped into this process."""
-        if self._mapped is None:
-            self._mapped = MappedMemory.open(self.memory_handles, self.geometry)
-        return self._mapped
-
-    def kv_cache(self, rank: int = 0) -> list[KVLayer]:
-        """Per layer: ``(k, v)`` views ``[num_tokens, kv_heads, head_dim]`` (mha) or the
-        latent ``[num_tokens, kv_lora_rank + rope_dim]`` (mla), indexed by ``kv_loc``."""
-        return self.memory.kv_cache(rank)
-
-    @property
-    def block_table(self) -> torch.Tensor:
-        """int32 ``[max_requests + 1, max_pages_per_request]``; row ``slot`` lists the
-        request's pages. Read-only (shm) or the device copy of rank 0 (cuda); it is
-        current when a Step response arrives."""
-        return self.memory.block_table
-
-    def _unmap(self) -> None:
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None

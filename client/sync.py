@@ -15,8 +15,9 @@ import grpc
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 from .channel import CHANNEL_OPTIONS
-from .errors import KVMemError
-from .session import Blocking, Call, ClientBase, Session
+from .errors import KVMemError, SessionLost
+from .session import Call, Session
+from .surface import Blocking, ClientBase
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -56,13 +57,17 @@ class KVMemClient(ClientBase[Blocking]):
     def _perform(self, call: Call[T]) -> T:
         rpc = getattr(self._stub, call.method)
         try:
-            response = rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
-        except grpc.RpcError as err:
-            raise self._session.failed(err) from None
+            try:
+                response = rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
+            except grpc.RpcError as err:
+                raise self._session.failed(err) from None
+            return self._session.finish(call, response)
+        except SessionLost:
+            self._stop_keepalive()  # over for this client: closing the stream tells the server it let go
+            raise
         finally:
             if call.ends_session:
                 self._stop_keepalive()
-        return self._session.finish(call, response)
 
     def close(self) -> None:
         """Detach (if still attached) and close the channel. Idempotent."""
@@ -92,19 +97,23 @@ class KVMemClient(ClientBase[Blocking]):
         first, later = self._session.keepalive_requests()
         interval = self._session.keepalive_interval
 
+        session = self._session
+
         def requests() -> Iterator[kvmem_pb2.KeepAliveRequest]:
+            session.keepalive_sent()
             yield first
             while not self._closing.wait(interval):
+                session.keepalive_sent()
                 yield later
 
         try:
-            self._keepalive_call = self._stub.KeepAlive(requests(), metadata=self._session.metadata)
+            self._keepalive_call = self._stub.KeepAlive(requests(), metadata=session.metadata)
             for _ in self._keepalive_call:
-                pass
+                session.keepalive_answered()
         except grpc.RpcError as err:
-            self._session.keepalive_ended(err)
+            self._session.keepalive_ended(err, self._closing.is_set())
         else:
-            self._session.keepalive_ended(None)
+            self._session.keepalive_ended(None, self._closing.is_set())
 
     def _stop_keepalive(self) -> None:
         self._closing.set()

@@ -6,14 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import errno
-import ipaddress
 import logging
 import os
 import signal
-import socket
-import stat
 from typing import Any
 
 import grpc
@@ -21,150 +16,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmem.server.core import CoreConfig
-from kvmem.server.memory import (
-    CudaBackend,
-    GeometryError,
-    KVGeometry,
-    MemoryBackend,
-    PoolSpec,
-    ShmBackend,
-    format_size,
-    pages_for_budget,
-    parse_size,
-)
+from kvmem.server.memory import KVGeometry, MemoryBackend, PoolSpec, format_size
 from kvmem.server.metrics import MetricsServer, RpcStats, build_registry
-from kvmem.server.service import KVMemoryService, geometry_to_proto, handle_to_proto
+from kvmem.server.service import KVMemoryService, add_to_server, geometry_to_proto, handle_to_proto
 from kvmem.server.sessions import Sessions
+from kvmem.server.startup import MemoryNotYet, ServerConfig, StartupError, allocate, check_config, grpc_reason
 from kvmem.server.tuning import keep_freed_memory
-from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
+from kvmem.v1 import kvmem_pb2
 
 log = logging.getLogger("kvmem.server")
 
 SERVICE_NAME = kvmem_pb2.DESCRIPTOR.services_by_name["KVMemory"].full_name  # readiness
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-
-class StartupError(Exception):
-    """The server cannot start; the message says why and with which value."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ServerConfig:
-    socket_path: str | None = "/tmp/kvmem.sock"
-    tcp: str | None = None  # "HOST:PORT"
-    metrics: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
-    auth_token: str | None = None
-    lease_s: float = 10.0
-    shutdown_grace_s: float = 5.0
-    page_size: int = 16
-    num_pages: int = 4096
-    memory: str | None = None  # a budget ("40GiB") that sets num_pages instead
-    max_requests: int = 256
-    max_context_len: int = 8192
-    # KV memory: "cpu" = the shm backend, "cuda:N" = one GPU, "none" = no KV memory.
-    device: str = "cpu"
-    devices: tuple[int, ...] = ()  # tensor-parallel GPUs; overrides device
-    shm_dir: str = "/dev/shm"
-    kv_format: str = "mha"
-    num_layers: int = 2
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    kv_lora_rank: int = 512
-    rope_dim: int = 64
-    dtype: str = "bfloat16"
-    audit_every_step: bool = False  # the full audit after every step (tests, debugging)
-
-    def geometry(self) -> KVGeometry:
-        return KVGeometry(
-            self.kv_format, self.num_layers, self.num_kv_heads, self.head_dim, self.kv_lora_rank, self.rope_dim,
-            self.dtype, self.page_size,
-        )  # fmt: skip
-
-    def cuda_devices(self) -> tuple[int, ...]:
-        """The GPUs of the cuda backend; () for shm or no memory."""
-        if self.devices:
-            return self.devices
-        if self.device in ("cpu", "none"):
-            return ()
-        kind, _, index = self.device.partition(":")
-        if kind != "cuda" or not (index or "0").isdigit():
-            raise StartupError(f"--device must be cpu, none or cuda:N, got {self.device!r}")
-        return (int(index or "0"),)
-
-
-def build_pool(cfg: ServerConfig) -> tuple[CoreConfig, MemoryBackend | None, KVGeometry]:
-    """Validate the geometry, size the pool, allocate the KV memory. Every refusal is a
-    StartupError naming the option and its value."""
-    try:
-        geometry = cfg.geometry()
-        num_pages = cfg.num_pages
-        if cfg.memory is not None:
-            num_pages = pages_for_budget(parse_size(cfg.memory), geometry, cfg.max_requests, cfg.max_context_len)
-        pool = PoolSpec(geometry, num_pages, cfg.max_requests, cfg.max_context_len)
-        core = CoreConfig(pool.num_pages, pool.geometry.page_size, pool.max_requests, pool.max_context_len)
-        devices = cfg.cuda_devices()
-        backend: MemoryBackend | None
-        if cfg.device == "none" and not devices:
-            backend = None
-        elif devices:
-            option = f"--devices {','.join(map(str, cfg.devices))}" if cfg.devices else f"--device {cfg.device}"
-            try:
-                backend = CudaBackend(pool, devices)
-            except RuntimeError as exc:  # no CUDA, a CUDA error: name the option that asked for it
-                raise StartupError(f"{option}: {exc}") from None
-        else:
-            try:
-                backend = ShmBackend(pool, cfg.shm_dir)
-            except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
-                raise StartupError(f"--shm-dir {cfg.shm_dir}: {exc}") from None
-    except (GeometryError, ValueError, RuntimeError, OSError) as exc:
-        raise StartupError(str(exc)) from None
-    return core, backend, geometry
-
-
-def _check_socket_path(path: str) -> None:
-    """Refuse a path another live server listens on; remove a dead server's socket.
-    gRPC would otherwise silently unlink and steal the path of a live server."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise StartupError(f"--socket {path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError as exc:
-        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            log.warning("removing stale socket %s left by a server that is gone", path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            return
-        raise StartupError(f"--socket {path}: cannot probe it ({exc})") from None
-    else:
-        raise StartupError(f"--socket {path} is in use by a live server; refusing to start")
-    finally:
-        probe.close()
-
-
-def _host_port(option: str, address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host or int(port) > 65535:
-        raise StartupError(f"{option} must be HOST:PORT (port 0-65535), got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def _check_tcp(address: str, auth_token: str | None) -> None:
-    host, _ = _host_port("--tcp", address)
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not auth_token:
-        raise StartupError(
-            f"--tcp {address} listens beyond loopback: "
-            "set --auth-token (or KVMEM_AUTH_TOKEN) so clients must present it"
-        )
 
 
 class KVMemServer:
@@ -180,27 +43,25 @@ class KVMemServer:
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self.metrics_server: MetricsServer | None = None
+        self._starting: grpc.aio.Server | None = None  # the gRPC server until start() succeeds
+        self._socket_made = False  # start() may have created the unix socket file
 
     async def start(self) -> None:
+        """Check everything that can be checked first (nothing is created before a
+        refusal); listen (liveness SERVING, readiness NOT_SERVING, kvmem calls refused as
+        NOT_READY); allocate the memory, waiting for it while it is held elsewhere (up to
+        --start-timeout-ms); then serve (readiness SERVING). A failure undoes what was
+        created (socket file, shm files, metrics listener) before raising."""
         cfg = self.config
-        if cfg.socket_path is None and cfg.tcp is None:
-            raise StartupError("nothing to listen on: give --socket PATH and/or --tcp HOST:PORT")
-        if cfg.lease_s <= 0:
-            raise StartupError(f"--lease-ms must be > 0, got {cfg.lease_s * 1000:g}")
-        if cfg.socket_path is not None:
-            _check_socket_path(cfg.socket_path)
-        if cfg.tcp is not None:
-            _check_tcp(cfg.tcp, cfg.auth_token)
-        metrics_at = None if cfg.metrics is None else _host_port("--metrics", cfg.metrics)
-        core_cfg, self.memory, kv_geometry = build_pool(cfg)
+        core_cfg, pool, devices, metrics_at = check_config(cfg)
         try:
-            await self._start_grpc(core_cfg, kv_geometry, metrics_at)
+            await self._listen()
+            self.memory = await self._allocate_waiting(pool, devices)
+            await self._open(core_cfg, pool.geometry, metrics_at)
         except BaseException:
-            if self.metrics_server is not None:
-                await self.metrics_server.stop()
-            if self.memory is not None:
-                self.memory.close()
+            await self._undo_start()
             raise
+        kv_geometry = pool.geometry
         kv_bytes = 0 if self.memory is None else kv_geometry.bytes_per_token * self.memory.num_tokens
         log.info(
             "pool: %d pages x %d tokens = %d tokens, %d bytes per token (%s %s, %d layers), KV %s on %s",
@@ -215,9 +76,32 @@ class KVMemServer:
             cfg.audit_every_step, self.sessions.epoch,
         )  # fmt: skip
 
-    async def _start_grpc(
-        self, core_cfg: CoreConfig, kv_geometry: KVGeometry, metrics_at: tuple[str, int] | None
-    ) -> None:
+    async def _allocate_waiting(self, pool: PoolSpec, devices: tuple[int, ...]) -> MemoryBackend | None:
+        """The pool's memory; while it is not free (held by a crashed predecessor's
+        allocation that clients still map, say), retry every second with a log line of
+        what it waits for, up to the start timeout."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.start_timeout_s
+        waited = False
+        while True:
+            try:
+                memory = allocate(cfg, pool, devices)
+            except MemoryNotYet as exc:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise StartupError(f"{exc} (waited {cfg.start_timeout_s:g}s: --start-timeout-ms)") from None
+                log.warning("waiting for the pool's memory (%.0fs more at most; readiness NOT_SERVING): %s", left, exc)
+                waited = True
+                await asyncio.sleep(min(1.0, left))
+                continue
+            if waited:
+                log.info("the pool's memory is free now: allocated")
+            return memory
+
+    async def _listen(self) -> None:
+        """The gRPC server with health (liveness SERVING, readiness NOT_SERVING),
+        reflection and the kvmem service (not ready yet), listening."""
         cfg = self.config
         server = grpc.aio.server(
             options=[
@@ -226,6 +110,7 @@ class KVMemServer:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ]
         )
+        self._starting = server
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -233,27 +118,22 @@ class KVMemServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-
-        self.sessions = Sessions(core_cfg, cfg.lease_s, self.memory, audit_every_step=cfg.audit_every_step)
-        geometry = geometry_to_proto(core_cfg, None if self.memory is None else kv_geometry)
-        handles = [] if self.memory is None else [handle_to_proto(h) for h in self.memory.handles()]
-        backend_name = "none" if self.memory is None else self.memory.name
-        self.service = KVMemoryService(self.sessions, geometry, handles, backend_name, cfg.auth_token)
-        kvmem_pb2_grpc.add_KVMemoryServicer_to_server(self.service, server)
-        if metrics_at is not None:  # before gRPC listens: a port in use stops the start cleanly
-            await self._start_metrics(*metrics_at)
-
+        self.service = KVMemoryService(cfg.auth_token)
+        add_to_server(self.service, server)  # a body that does not parse: INVALID_ARGUMENT, not UNKNOWN
         if cfg.socket_path is not None:
             old_umask = os.umask(0o177)  # the socket is born 0600
+            self._socket_made = True  # checked free (or a dead server's) before: ours to remove on failure
             try:
                 server.add_insecure_port(f"unix:{cfg.socket_path}")
+            except RuntimeError as exc:
+                raise StartupError(f"--socket {cfg.socket_path}: cannot listen ({grpc_reason(exc)})") from None
             finally:
                 os.umask(old_umask)
         if cfg.tcp is not None:
             try:
                 server.add_insecure_port(cfg.tcp)
             except RuntimeError as exc:
-                raise StartupError(f"--tcp {cfg.tcp}: cannot listen ({exc})") from None
+                raise StartupError(f"--tcp {cfg.tcp}: cannot listen ({grpc_reason(exc)})") from None
         old_umask = os.umask(0o177)
         try:
             await server.start()
@@ -262,8 +142,50 @@ class KVMemServer:
         if cfg.socket_path is not None:
             os.chmod(cfg.socket_path, 0o600)
         self.grpc_server = server
+
+    async def _open(self, core_cfg: CoreConfig, kv_geometry: KVGeometry, metrics_at: tuple[str, int] | None) -> None:
+        """The memory exists: the sessions over it, the service ready, the lease reaper,
+        metrics, readiness SERVING."""
+        cfg = self.config
+        assert self.service is not None
+        self.sessions = Sessions(
+            core_cfg,
+            cfg.lease_s,
+            self.memory,
+            audit_every_step=cfg.audit_every_step,
+            quarantine_s=cfg.quarantine_s,
+            max_sessions=cfg.max_sessions,
+        )
+        geometry = geometry_to_proto(core_cfg, None if self.memory is None else kv_geometry)
+        handles = [] if self.memory is None else [handle_to_proto(h) for h in self.memory.handles()]
+        self.service.ready(self.sessions, geometry, handles, "none" if self.memory is None else self.memory.name)
+        if metrics_at is not None:
+            await self._start_metrics(*metrics_at)
         self._reaper = asyncio.create_task(self._reap_leases())
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _undo_start(self) -> None:
+        """After a failed start: remove what it created, in reverse, each step whatever
+        the others do."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+        server, self._starting, self.grpc_server = self._starting, None, None
+        if server is not None:
+            with contextlib.suppress(Exception):
+                await server.stop(None)
+        if self._socket_made and self.config.socket_path is not None:
+            self._socket_made = False
+            with contextlib.suppress(OSError):
+                os.unlink(self.config.socket_path)
+        if self.metrics_server is not None:
+            with contextlib.suppress(Exception):
+                await self.metrics_server.stop()
+            self.metrics_server = None
+        if self.memory is not None:
+            with contextlib.suppress(Exception):
+                self.memory.close()
+            self.memory = None
 
     async def _start_metrics(self, host: str, port: int) -> None:
         assert self.sessions is not None and self.service is not None
@@ -285,23 +207,30 @@ class KVMemServer:
             self.sessions.expire()
 
     async def stop(self) -> None:
-        """Readiness NOT_SERVING, refuse new sessions, let in-flight calls finish, end
-        keep-alive streams, free everything, remove the socket."""
+        """Readiness NOT_SERVING and no new sessions at once; attached sessions may go on
+        stepping until they detach or the drain period ends; then every later call gets
+        UNAVAILABLE (SHUTTING_DOWN), the server ends the keep-alive streams and the
+        sessions, gives calls still in flight the grace period, frees the memory and
+        removes the socket. Nothing a client does (or fails to do: a stopped process)
+        holds the exit back beyond drain + grace."""
         if self.grpc_server is None or self._stopped.is_set():
             return
         self._stopped.set()
-        log.info("shutting down: readiness NOT_SERVING, no new sessions")
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         assert self.sessions is not None and self.service is not None
+        cfg = self.config
+        log.info("shutting down: readiness NOT_SERVING, no new sessions; draining for up to %.1fs", cfg.drain_s)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.sessions.accepting = False
-        self.service.stopping.set()
+        await self._drain(cfg.drain_s)
+        self.service.stopping.set()  # from here every call is refused: UNAVAILABLE
         for task in list(self.service.keepalive_tasks):
             task.cancel()
         if self._reaper is not None:
             self._reaper.cancel()
-        await self.grpc_server.stop(self.config.shutdown_grace_s)
         for session_id in list(self.sessions.by_id):
             self.sessions.end(session_id, "server shutdown")
+        await self.grpc_server.stop(cfg.shutdown_grace_s)
+        self.service.refusals.flush()  # the last summary of refused calls
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         if self.memory is not None:
@@ -311,18 +240,38 @@ class KVMemServer:
                 os.unlink(self.config.socket_path)
         log.info("stopped")
 
+    async def _drain(self, seconds: float) -> None:
+        """Until every session has detached (or ended) or ``seconds`` have passed."""
+        assert self.sessions is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.sessions.by_id and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.sessions.by_id:
+            log.info("drain over: %d session(s) still attached end now", len(self.sessions.by_id))
+
     async def wait(self) -> None:
         assert self.grpc_server is not None
         await self.grpc_server.wait_for_termination()
 
 
 async def _serve(config: ServerConfig) -> None:
-    server = KVMemServer(config)
-    await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a signal during it stops right after
         loop.add_signal_handler(sig, stop.set)
+    server = KVMemServer(config)
+    starting = asyncio.create_task(server.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # a signal while it waits for its memory: undo the start, exit 0
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        log.info("stopped before it was ready")
+        return
+    stopping.cancel()
+    starting.result()  # a failed start raises here
     await stop.wait()
     await server.stop()
 

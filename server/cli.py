@@ -14,20 +14,23 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 DEFAULT_SOCKET = "/tmp/kvmem.sock"
 
 
-def _env(name: str, default: Any, parse: Callable[[str], Any] = str) -> Any:
-    raw = os.environ.get("KVMEM_" + name.upper().replace("-", "_"))
-    if raw is None or raw == "":
-        return default
-    try:
-        return parse(raw)
-    except ValueError:
-        env = "KVMEM_" + name.upper().replace("-", "_")
-        raise SystemExit(f"kvmem: {env}={raw!r} is not a valid {parse.__name__}") from None
+_ENV_SPEC = "kvmem_env"  # attribute of an option's Action: (variable, built-in default, parse)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _env_name(flag: str) -> str:
+    return "KVMEM_" + flag.lstrip("-").upper().replace("-", "_")
 
 
 def switch(raw: str) -> bool:
@@ -37,18 +40,182 @@ def switch(raw: str) -> bool:
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(raw)
+    raise argparse.ArgumentTypeError(f"must be 1, true, yes, on, 0, false, no or off, got {raw!r}")
+
+
+def _integer(lowest: int, unit: str = "", why: str = "") -> Callable[[str], int]:
+    """An integer option's parse: refuses anything but an integer >= ``lowest``."""
+    noun = f"number of {unit}" if unit else "integer"
+    what = f"a positive {noun}" if lowest == 1 else f"{'an' if noun[0] == 'i' else 'a'} {noun} >= {lowest}"
+
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or value < lowest:
+            raise argparse.ArgumentTypeError(f"must be {what}{why}, got {raw!r}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _positive_float(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {raw!r}")
+    return value
+
+
+def _one_of(*names: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw.lower() not in names:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {raw!r}")
+        return raw.lower()
+
+    parse.__name__ = "choice"
+    return parse
+
+
+def _size(raw: str) -> str:
+    """``--memory``: a positive size such as 40GiB (kept as text; the server sizes the pool)."""
+    from kvmem.server.memory.geometry import GeometryError, parse_size
+
+    example = "a size such as 40GiB, 512MiB, 1.5G or 123 (bytes)"
+    if raw.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must not be negative: {example}, got {raw!r}")
+    try:
+        value = parse_size(raw)
+    except GeometryError:
+        raise argparse.ArgumentTypeError(f"must be {example}, got {raw!r}") from None
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {raw!r}")
+    return raw
+
+
+def _address(raw: str) -> str:
+    from kvmem.server.startup import StartupError, _host_port
+
+    try:
+        _host_port("", raw)
+    except StartupError:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT (port 0-65535), got {raw!r}") from None
+    return raw
+
+
+def _device(raw: str) -> str:
+    kind, colon, index = raw.partition(":")
+    if raw in ("cpu", "none", "cuda") or (kind == "cuda" and colon and index.isdigit()):
+        return raw
+    raise argparse.ArgumentTypeError(f"must be cpu, none, cuda or cuda:N, got {raw!r}")
+
+
+def _devices(raw: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in raw.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"must be comma-separated GPU indices such as 0,1, got {raw!r}")
+    if len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(f"lists a GPU twice: {raw!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _format(raw: str) -> str:
+    from kvmem.server.memory.geometry import FORMATS
+
+    return _one_of(*FORMATS)(raw)
+
+
+def _dtype(raw: str) -> str:
+    from kvmem.server.memory.geometry import DTYPES
+
+    if raw not in DTYPES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)}, got {raw!r}")
+    return raw
 
 
 def _add(p: argparse._ActionsContainer, flag: str, default: Any, help: str, type: Callable[[str], Any] = str) -> None:
-    name = flag.lstrip("-")
-    env = "KVMEM_" + name.upper().replace("-", "_")
+    """An option that can also come from its KVMEM_* variable. The variable is read after
+    parsing, and only for the command that was run (:func:`_fill_from_env`), so a bad
+    value of a serve option never breaks ``kvmem health`` or ``--help``."""
+    env = _env_name(flag)
     shown = "none" if default is None else default
-    p.add_argument(flag, type=type, default=_env(name, default, type), help=f"{help} (default: {shown}; env {env})")
+    action = p.add_argument(flag, type=type, default=argparse.SUPPRESS, help=f"{help} (default: {shown}; env {env})")
+    setattr(action, _ENV_SPEC, (env, default, type))
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            sub: argparse.ArgumentParser = action.choices[command]
+            return sub
+    return None
+
+
+def _fill_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each option of the command run that the command line did not give: from its
+    KVMEM_* variable when set (checked as the option is: a bad value ends the run with
+    one line naming the variable and the value), else its default."""
+    sub = _command_parser(parser, args.command)
+    if sub is None:
+        return
+    for action in sub._actions:
+        spec = getattr(action, _ENV_SPEC, None)
+        if spec is None or hasattr(args, action.dest):
+            continue
+        env, value, parse = spec
+        raw = os.environ.get(env, "")
+        if raw != "":
+            try:
+                value = parse(raw)
+            except argparse.ArgumentTypeError as exc:
+                sub.error(f"{env} (for {action.option_strings[0]}): {exc}")
+            except ValueError:
+                name = getattr(parse, "__name__", "value")
+                sub.error(f"{env} (for {action.option_strings[0]}): invalid {name} value: {raw!r}")
+        setattr(args, action.dest, value)
+
+
+def _dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--memory -5GiB`` -> ``--memory=-5GiB``: argparse takes a value that starts with
+    '-' (other than a plain negative number) for an unknown option and answers "expected
+    one argument"; joined, the value reaches the option's own check. A following word
+    that is an option of the command (or an abbreviation of one) is left alone."""
+    command = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    sub = None if command is None else _command_parser(parser, argv[command])
+    if command is None or sub is None:
+        return argv
+    known = [o for a in sub._actions for o in a.option_strings]
+    takes_value = [o for a in sub._actions if a.option_strings and a.nargs is None for o in a.option_strings]
+
+    def is_option(word: str) -> bool:
+        name = word.split("=", 1)[0]
+        return word == "--" or name in known or (name.startswith("--") and any(o.startswith(name) for o in known))
+
+    out = argv[: command + 1]
+    rest = iter(argv[command + 1 :])
+    for word in rest:
+        matches = [o for o in takes_value if o == word] or [o for o in takes_value if o.startswith(word)]
+        if word.startswith("--") and len(word) > 2 and len(matches) == 1:
+            value = next(rest, None)
+            if value is not None and value.startswith("-") and not is_option(value):
+                out.append(f"{word}={value}")
+                continue
+            out.append(word)
+            if value is not None:
+                out.append(value)
+            continue
+        out.append(word)
+        if word == "--":
+            out.extend(rest)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvmem",
         description="kvmem: a KV-cache memory manager for LLM inference. One server per GPU node owns the "
         "KV page pool and the block tables; scheduler workers attach over gRPC.",
@@ -70,7 +237,7 @@ def _add_serve(sub: Any) -> None:
     )
     listen = serve.add_argument_group("listening")
     _add(listen, "--socket", DEFAULT_SOCKET, "unix socket path to listen on; 'none' to disable")
-    _add(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)")
+    _add(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)", _address)
     _add(listen, "--auth-token", None, "bearer token TCP clients must send (required beyond loopback)")
     _add(
         listen,
@@ -78,37 +245,54 @@ def _add_serve(sub: Any) -> None:
         None,
         "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 0.0.0.0:9400; "
         "port 0 picks a free one and logs it); no authentication, so pick the interface",
+        _address,
     )
     pool = serve.add_argument_group("pool geometry")
-    _add(pool, "--page-size", 16, "tokens per page", int)
-    _add(pool, "--num-pages", 4096, "pages in the pool, including the padding page 0", int)
+    _add(pool, "--page-size", 16, "tokens per page", _integer(1))
+    _add(pool, "--num-pages", 4096, "pages in the pool, including the padding page 0",
+         _integer(2, why=" (page 0 is padding)"))  # fmt: skip
     _add(pool, "--memory", None, "KV memory budget per device (e.g. 40GiB, 512MiB): the largest page count "
-         "that fits, after the block table; replaces --num-pages")  # fmt: skip
-    _add(pool, "--max-requests", 256, "request slots (concurrently open requests)", int)
-    _add(pool, "--max-context", 8192, "longest request, in tokens", int)
+         "that fits, after the block table; replaces --num-pages", _size)  # fmt: skip
+    _add(pool, "--max-requests", 256, "request slots (concurrently open requests)", _integer(1))
+    _add(pool, "--max-context", 8192, "longest request, in tokens", _integer(1))
     mem = serve.add_argument_group("KV memory (the model's KV geometry and where the KV cache lives)")
-    _add(mem, "--device", "cpu", "cpu (POSIX shared memory), cuda:N (one GPU, CUDA IPC) or none (no KV memory)")
+    _add(mem, "--device", "cpu", "cpu (POSIX shared memory), cuda:N (one GPU, CUDA IPC) or none (no KV memory)",
+         _device)  # fmt: skip
     _add(mem, "--devices", None, "comma-separated GPU indices for tensor-parallel ranks (e.g. 0,1): one KV "
-         "allocation per GPU, one page-id space; implies cuda")  # fmt: skip
+         "allocation per GPU, one page-id space; implies cuda", _devices)  # fmt: skip
     _add(mem, "--shm-dir", "/dev/shm", "directory of the shared-memory files (cpu device)")
-    _add(mem, "--format", "mha", "mha (K and V per layer) or mla (one latent vector per token)")
-    _add(mem, "--layers", 2, "transformer layers", int)
-    _add(mem, "--kv-heads", 2, "KV heads per layer (mha)", int)
-    _add(mem, "--head-dim", 64, "head dimension (mha)", int)
-    _add(mem, "--kv-lora-rank", 512, "latent rank (mla)", int)
-    _add(mem, "--rope-dim", 64, "rotary dimension stored beside the latent (mla)", int)
-    _add(mem, "--dtype", "bfloat16", "KV element type: bfloat16, float16, float32 or float8_e4m3fn")
+    _add(mem, "--format", "mha", "mha (K and V per layer) or mla (one latent vector per token)", _format)
+    _add(mem, "--layers", 2, "transformer layers", _integer(1))
+    _add(mem, "--kv-heads", 2, "KV heads per layer (mha)", _integer(1))
+    _add(mem, "--head-dim", 64, "head dimension (mha)", _integer(1))
+    _add(mem, "--kv-lora-rank", 512, "latent rank (mla)", _integer(1))
+    _add(mem, "--rope-dim", 64, "rotary dimension stored beside the latent (mla)", _integer(0))
+    _add(mem, "--dtype", "bfloat16", "KV element type: bfloat16, float16, float32 or float8_e4m3fn", _dtype)
     sessions = serve.add_argument_group("sessions")
-    _add(sessions, "--lease-ms", 10000, "a session that makes no call or keep-alive for this long ends", int)
-    _add(sessions, "--shutdown-grace-ms", 5000, "how long in-flight calls may run after SIGTERM", int)
-    _add(serve, "--log-level", "info", "debug, info, warning or error")
-    serve.add_argument(
+    _add(sessions, "--max-sessions", 1024, "sessions attached at once; one more is refused (RESOURCE_EXHAUSTED, "
+         "TOO_MANY_SESSIONS)", _integer(1))  # fmt: skip
+    _add(sessions, "--lease-ms", 10000, "a session that makes no call or keep-alive for this long ends",
+         _integer(1, "milliseconds"))  # fmt: skip
+    _add(sessions, "--quarantine-ms", None, "how long the pages of a session whose lease lapsed while it was still "
+         "connected stay out of use, unless its connection closes first (a stopped process may wake up and write "
+         "into them); none: six leases", _integer(0, "milliseconds"))  # fmt: skip
+    _add(sessions, "--drain-ms", 1000, "after SIGTERM (readiness NOT_SERVING, no new sessions), how long attached "
+         "sessions may go on stepping before the server ends them; it stops sooner once all have detached",
+         _integer(0, "milliseconds"))  # fmt: skip
+    _add(sessions, "--shutdown-grace-ms", 500, "after the drain, how long calls still in flight may run before they "
+         "are cancelled", _integer(0, "milliseconds"))  # fmt: skip
+    _add(pool, "--start-timeout-ms", 120000, "while the pool's memory is held elsewhere (a crashed server's "
+         "allocation that clients still map), how long to wait for it, live but not ready, before giving up",
+         _integer(0, "milliseconds"))  # fmt: skip
+    _add(serve, "--log-level", "info", "debug, info, warning or error", _one_of("debug", "info", "warning", "error"))
+    debug = serve.add_argument(
         "--debug-audit",
         action="store_true",
-        default=_env("debug", False, switch),
+        default=argparse.SUPPRESS,
         help="run the full pool audit (O(pool)) after every step; a broken invariant fails the call as "
         "INTERNAL: for tests and debugging, not production (default: off; env KVMEM_DEBUG)",
     )
+    setattr(debug, _ENV_SPEC, ("KVMEM_DEBUG", False, switch))
 
 
 def _add_client_commands(sub: Any) -> None:
@@ -120,7 +304,8 @@ def _add_client_commands(sub: Any) -> None:
         _add(p, "--socket", DEFAULT_SOCKET, "unix socket of the server")
         _add(p, "--tcp", None, "HOST:PORT of the server instead of the socket")
         _add(p, "--auth-token", None, "bearer token for TCP")
-        p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default: 3)")
+        p.add_argument("--timeout", type=_positive_float, default=3.0,
+                       help="seconds to wait for an answer (default: 3)")  # fmt: skip
         if name == "health":
             p.add_argument(
                 "--service",
@@ -139,7 +324,8 @@ def _target(args: argparse.Namespace) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvmem.server.app import ServerConfig, serve
+    from kvmem.server.app import serve
+    from kvmem.server.startup import ServerConfig
 
     socket_path = None if args.socket in ("", "none") else args.socket
     config = ServerConfig(
@@ -148,14 +334,18 @@ def _serve(args: argparse.Namespace) -> int:
         metrics=args.metrics,
         auth_token=args.auth_token,
         lease_s=args.lease_ms / 1000,
+        max_sessions=args.max_sessions,
+        quarantine_s=None if args.quarantine_ms is None else args.quarantine_ms / 1000,
+        drain_s=args.drain_ms / 1000,
         shutdown_grace_s=args.shutdown_grace_ms / 1000,
+        start_timeout_s=args.start_timeout_ms / 1000,
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_requests=args.max_requests,
         max_context_len=args.max_context,
         memory=args.memory,
         device=args.device,
-        devices=_devices(args.devices),
+        devices=args.devices or (),
         shm_dir=args.shm_dir,
         kv_format=args.format,
         num_layers=args.layers,
@@ -167,17 +357,6 @@ def _serve(args: argparse.Namespace) -> int:
         audit_every_step=args.debug_audit,
     )
     return serve(config)
-
-
-def _devices(raw: str | None) -> tuple[int, ...]:
-    if not raw:
-        return ()
-    parts = [p.strip() for p in raw.split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise SystemExit(f"kvmem serve: --devices must be comma-separated GPU indices such as 0,1, got {raw!r}")
-    if len(set(parts)) != len(parts):
-        raise SystemExit(f"kvmem serve: --devices lists a GPU twice: {raw!r}")
-    return tuple(int(p) for p in parts)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -218,7 +397,8 @@ def _stats(args: argparse.Namespace) -> int:
         f"epoch {s.epoch}   uptime {s.uptime_ms / 1000:.1f}s   steps {s.num_steps}   memory {s.memory_backend}",
         f"pool  {s.num_pages_total} pages x {g.page_size} tokens; max {g.max_requests} requests, "
         f"{g.max_context_len} tokens each",
-        f"pages used {used} ({100 * used / total:.1f}%)   cached {s.num_cached_pages}   free {s.num_free_pages}",
+        f"pages used {used} ({100 * used / total:.1f}%)   cached {s.num_cached_pages}   free {s.num_free_pages}"
+        f"   quarantined {s.num_quarantined_pages} (of {s.num_quarantined_sessions} lapsed sessions)",
         f"request slots open {s.num_open_requests}   free {s.num_free_request_slots}",
     ]
     if s.audit.ran:
@@ -238,7 +418,9 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(_dash_values(parser, list(sys.argv[1:] if argv is None else argv)))
+    _fill_from_env(parser, args)
     level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),

@@ -46,9 +46,11 @@ class Reason(enum.Enum):
     TRUNCATE_BEYOND_ALLOCED = ("TRUNCATE_BEYOND_ALLOCED", ErrorKind.FAILED_PRECONDITION)
     # RESOURCE_EXHAUSTED: a resource that is not pages (pages are a per-item result).
     NO_FREE_REQUEST_SLOT = ("NO_FREE_REQUEST_SLOT", ErrorKind.RESOURCE_EXHAUSTED)
+    TOO_MANY_SESSIONS = ("TOO_MANY_SESSIONS", ErrorKind.RESOURCE_EXHAUSTED)  # the max_sessions limit
     # Transport-level reasons raised by the service.
     BAD_TOKEN = ("BAD_TOKEN", ErrorKind.UNAUTHENTICATED)
     SHUTTING_DOWN = ("SHUTTING_DOWN", ErrorKind.UNAVAILABLE)
+    NOT_READY = ("NOT_READY", ErrorKind.UNAVAILABLE)  # started, waiting for its KV memory
     # A broken invariant: a bug in kvmem, never the caller's fault.
     CORRUPTION = ("CORRUPTION", ErrorKind.INTERNAL)
 

@@ -112,11 +112,12 @@ class KVMemCollector(Collector):
             "kvmem_pages_total", "Usable pages in the pool (page 0 is padding).", pool.num_pages_total
         )
         pages = GaugeMetricFamily(
-            "kvmem_pages", "Pages by state; free + used + cached = kvmem_pages_total.", labels=["state"]
+            "kvmem_pages", "Pages by state; free + used + cached + quarantined = kvmem_pages_total.", labels=["state"]
         )
         pages.add_metric(["free"], pool.num_free_pages)
         pages.add_metric(["used"], pool.num_used_pages)
         pages.add_metric(["cached"], pool.num_cached_pages)
+        pages.add_metric(["quarantined"], pool.num_quarantined_pages)
         yield pages
         slots = GaugeMetricFamily("kvmem_request_slots", "Request slots by state.", labels=["state"])
         slots.add_metric(["open"], pool.num_open_requests)

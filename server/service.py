@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -27,6 +28,7 @@ from kvmem.server.core import CoreConfig, StepBatch
 from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
 from kvmem.server.memory import HandleInfo, KVGeometry
 from kvmem.server.metrics import RpcStats
+from kvmem.server.refusals import RefusalLog
 from kvmem.server.sessions import Sessions
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
@@ -102,6 +104,69 @@ def handle_to_proto(h: HandleInfo) -> kvmem_pb2.MemoryHandle:
     return msg
 
 
+class Malformed:
+    """What a handler receives instead of a request whose body does not parse: gRPC
+    would otherwise fail the call inside its own code (UNKNOWN, and a traceback in the
+    log per call). The handler refuses it as INVALID_ARGUMENT (:meth:`error`)."""
+
+    __slots__ = ("problem", "size", "type_name")
+
+    def __init__(self, type_name: str, size: int, problem: str) -> None:
+        self.type_name = type_name
+        self.size = size
+        self.problem = problem
+
+    def error(self, method: str) -> KVMemError:
+        return KVMemError(
+            Reason.BAD_VALUE,
+            f"{method}: the request body ({self.size} bytes) is not a valid {self.type_name}: {self.problem}",
+            size=self.size,
+        )
+
+
+def _deserializer(cls: Any) -> Callable[[bytes], Any]:
+    """``cls.FromString``, returning a :class:`Malformed` instead of raising."""
+    parse, type_name = cls.FromString, cls.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:  # "Error parsing message with type '...': Wire format was corrupt"
+            return Malformed(type_name, len(data), str(exc).rpartition("': ")[2] or "it does not parse")
+        except Exception as exc:  # any other failure of the parser: still the caller's bytes
+            return Malformed(type_name, len(data), f"{type(exc).__name__}: {exc}")
+
+    return deserialize
+
+
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_to_server(service: KVMemoryService, server: grpc.aio.Server) -> None:
+    """Register ``service``'s methods (every method of the proto's KVMemory) on
+    ``server``, as ``kvmem_pb2_grpc.add_KVMemoryServicer_to_server`` would, but with
+    request deserializers that hand a body that does not parse to the handler as a
+    :class:`Malformed`, so that it is refused as INVALID_ARGUMENT naming the method."""
+    descriptor = kvmem_pb2.DESCRIPTOR.services_by_name["KVMemory"]
+    handlers = {}
+    for method in descriptor.methods:
+        request_cls = getattr(kvmem_pb2, method.input_type.name)
+        response_cls = getattr(kvmem_pb2, method.output_type.name)
+        make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(service, method.name),
+            request_deserializer=_deserializer(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+    server.add_registered_method_handlers(descriptor.full_name, handlers)
+
+
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
@@ -111,7 +176,9 @@ def _unary(
 ) -> Callable[[KVMemoryService, Req, grpc.aio.ServicerContext], Coroutine[Any, Any, Resp]]:
     """Make a plain handler (it never awaits: each call is one critical section on the
     event loop) the coroutine gRPC calls; turn a KVMemError (and an auth failure) into
-    its status.
+    its status. A body that did not parse (:class:`Malformed`) is refused as
+    INVALID_ARGUMENT; every refusal is counted in the service's :class:`RefusalLog`
+    (rate-limited summaries, never a line per call), corruption logged each time.
     With metrics on (``rpc_stats`` set), count the call by its code and time the
     handler; off, the call pays two ``is None`` tests for it (the timing costs ~2% of a
     256-item Step's round trip, measured)."""
@@ -123,12 +190,13 @@ def _unary(
         started = 0.0 if stats is None else time.perf_counter()
         code, reason = "OK", None
         try:
-            self._check_auth(context)
+            self._admit(context)
+            if isinstance(request, Malformed):
+                raise request.error(name)
             return method(self, request, context)
         except KVMemError as err:
             code, reason = _STATUS_CODE[err.kind].name, err.reason.name
-            if isinstance(err, CorruptionError):
-                log.error("corruption detected in %s: %s", name, err.message)
+            self._refused(context, name, err)
             await context.abort_with_status(_to_status(err))
             raise AssertionError("abort_with_status returned") from err  # it always raises
         except Exception:
@@ -167,22 +235,52 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
     """kvmem.v1.KVMemory over :class:`~kvmem.server.sessions.Sessions`."""
 
-    def __init__(
+    def __init__(self, auth_token: str | None = None) -> None:
+        self._sessions: Sessions | None = None  # until ready(): the server waits for its memory
+        self.geometry = kvmem_pb2.PoolGeometry()
+        self.memory_handles: list[kvmem_pb2.MemoryHandle] = []
+        self.memory_backend = "none"
+        self._auth = None if auth_token is None else f"Bearer {auth_token}"
+        self.keepalive_tasks: set[asyncio.Task[Any]] = set()
+        self.stopping = asyncio.Event()
+        self.rpc_stats: RpcStats | None = None  # set by the server when it serves metrics
+        self.refusals = RefusalLog()  # flushed by the server at shutdown
+
+    def ready(
         self,
         sessions: Sessions,
         geometry: kvmem_pb2.PoolGeometry,
         memory_handles: list[kvmem_pb2.MemoryHandle],
         memory_backend: str,
-        auth_token: str | None = None,
     ) -> None:
-        self.sessions = sessions
+        """The pool exists: serve it. Before this every call is refused as NOT_READY."""
         self.geometry = geometry
         self.memory_handles = memory_handles
         self.memory_backend = memory_backend
-        self._auth = None if auth_token is None else f"Bearer {auth_token}"
-        self.keepalive_tasks: set[asyncio.Task[Any]] = set()
-        self.stopping = asyncio.Event()
-        self.rpc_stats: RpcStats | None = None  # set by the server when it serves metrics
+        self._sessions = sessions
+
+    @property
+    def sessions(self) -> Sessions:
+        if self._sessions is None:
+            raise KVMemError(
+                Reason.NOT_READY, "the server has started but waits for its KV memory (readiness NOT_SERVING): retry"
+            )
+        return self._sessions
+
+    def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuse every call once the drain of a shutdown is over (UNAVAILABLE, with the
+        reason SHUTTING_DOWN), then check the caller's token."""
+        if self.stopping.is_set():
+            raise KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: it takes no more calls")
+        self._check_auth(context)
+
+    def _refused(self, context: grpc.aio.ServicerContext, method: str, err: KVMemError) -> None:
+        """Log a refused call: corruption (a bug in kvmem) as an ERROR each time, any
+        other refusal into the rate-limited summaries."""
+        if isinstance(err, CorruptionError):
+            log.error("corruption detected in %s: %s", method, err.message)
+        else:
+            self.refusals.record(context.peer(), method, err.reason.name, err.message)
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         """With a token set, every call that does not come over the unix socket must
@@ -272,6 +370,8 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
             num_free_pages=pool.num_free_pages,
             num_cached_pages=pool.num_cached_pages,
             num_used_pages=pool.num_used_pages,
+            num_quarantined_pages=pool.num_quarantined_pages,
+            num_quarantined_sessions=len(self.sessions.quarantined),
             num_free_request_slots=pool.num_free_request_slots,
             num_open_requests=pool.num_open_requests,
             sessions=now_sessions,
@@ -284,43 +384,56 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
     async def KeepAlive(
         self, request_iterator: AsyncIterator[kvmem_pb2.KeepAliveRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvmem_pb2.KeepAliveResponse]:
-        """Refresh the session's lease on every message; when the stream breaks or ends
-        while the session is alive, end the session at once."""
+        """Refresh the session's lease on every message. When the client ends the stream
+        (its process is gone, or it closed it), the session ends at once, or its
+        quarantine if its lease had lapsed (:meth:`Sessions.stream_gone`). When the
+        server ends it (a refused message, shutdown), the client's process may live on:
+        nothing is freed early on that account.
+
+        A message for a session in quarantine (its process was stopped past its lease and
+        woke up) gets no answer and the stream stays open: its end is then the sign that
+        the process let go (the client stops its keep-alive once it learns the session is
+        lost) or died, and the quarantine ends with it. The process learns of the loss
+        from its next call, or from the Step answer it was waiting for (refused as late)."""
         try:
-            self._check_auth(context)
+            self._admit(context)
+            sessions = self.sessions
         except KVMemError as err:
+            self._refused(context, "KeepAlive", err)
             await context.abort_with_status(_to_status(err))
+            raise AssertionError("abort_with_status returned") from err  # it always raises
         session_id = None
         task = asyncio.current_task()
         assert task is not None
         self.keepalive_tasks.add(task)
-        reply = kvmem_pb2.KeepAliveResponse(epoch=self.sessions.epoch)
+        reply = kvmem_pb2.KeepAliveResponse(epoch=sessions.epoch)
+        ended_by_server = False
         try:
             async for message in request_iterator:
-                if session_id is None:
-                    try:
-                        self.sessions.session(message.session_id)
-                    except KVMemError as err:
-                        await context.abort_with_status(_to_status(err))
-                    session_id = message.session_id
-                elif message.session_id and message.session_id != session_id:
-                    await context.abort_with_status(
-                        _to_status(KVMemError(Reason.BAD_VALUE, "a keep-alive stream serves one session"))
-                    )
-                else:
-                    self.sessions.session(session_id)
+                if isinstance(message, Malformed):
+                    raise message.error("KeepAlive")
+                if session_id is not None and message.session_id and message.session_id != session_id:
+                    raise KVMemError(Reason.BAD_VALUE, "a keep-alive stream serves one session")
+                if sessions.in_quarantine(session_id or message.session_id):
+                    session_id = session_id or message.session_id
+                    continue  # parked: no answer (see above)
+                sessions.session(session_id or message.session_id)  # refreshes the lease
+                session_id = session_id or message.session_id
                 yield reply
-        except KVMemError as err:  # the session ended while the stream was open
+        except KVMemError as err:  # a bad message, or the session ended while the stream was open
+            ended_by_server = True
+            self._refused(context, "KeepAlive", err)
             await context.abort_with_status(_to_status(err))
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 raise  # gRPC cancelled the call: the peer is gone, there is no one to answer
             # Shutdown cancels this task. grpc.aio sends no status for a cancelled handler,
             # so without one the stream would stay open until the grace period runs out.
+            ended_by_server = True
             await context.abort_with_status(
                 _to_status(KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: this session ended"))
             )
         finally:
             self.keepalive_tasks.discard(task)
-            if session_id is not None and not self.stopping.is_set():
-                self.sessions.end(session_id, "keep-alive stream closed")
+            if session_id is not None and not ended_by_server and not self.stopping.is_set():
+                sessions.stream_gone(session_id)

@@ -25,6 +25,8 @@ from kvmem.server.errors import KVMemError, Reason
 log = logging.getLogger("kvmem.sessions")
 
 MAX_NAME_CHARS = 256
+DEFAULT_MAX_SESSIONS = 1024  # sessions attached at once (`kvmem serve --max-sessions`)
+QUARANTINE_LEASES = 6  # the default quarantine, in leases
 
 
 class BlockTableSink(Protocol):
@@ -48,6 +50,19 @@ class Session:
     owner: OwnerId
     quota_pages: int | None
     last_seen: float
+
+
+@dataclasses.dataclass(slots=True)
+class Quarantine:
+    """The pages of a session whose lease lapsed while its process may still write
+    into them (DESIGN §6: fencing). They go back to the pool when the session's
+    keep-alive stream breaks or closes (the process is gone, or it let go) or at
+    ``until`` (monotonic seconds), whichever comes first."""
+
+    name: str
+    owner: OwnerId
+    until: float
+    num_pages: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,11 +91,21 @@ class Sessions:
         memory: BlockTableSink | None = None,
         *,
         audit_every_step: bool = False,
+        quarantine_s: float | None = None,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease must be > 0 seconds, got {lease_s}")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.max_sessions = max_sessions
+        if quarantine_s is not None and quarantine_s < 0:
+            raise ValueError(f"quarantine must be >= 0 seconds, got {quarantine_s}")
         self.epoch = secrets.token_hex(8)
         self.lease_s = lease_s
+        # How long a lapsed session's pages stay out of use (default: six leases).
+        self.quarantine_s = QUARANTINE_LEASES * lease_s if quarantine_s is None else quarantine_s
+        self.quarantined: dict[str, Quarantine] = {}  # by session id
         self._sync_memory = memory if memory is not None and memory.syncs_rows else None
         table = None if memory is None else memory.block_table
         self.core = KVCore(config, table, audit_every_step=audit_every_step)
@@ -97,9 +122,18 @@ class Sessions:
     # ---------------------------------------------------------------- sessions
 
     def attach(self, name: str, quota_pages: int | None) -> Session:
-        """Start a session. O(1) (plus the core's O(max_requests) numpy, once)."""
+        """Start a session. O(1) (plus the core's O(max_requests) numpy, once).
+        RESOURCE_EXHAUSTED (TOO_MANY_SESSIONS) when ``max_sessions`` are attached."""
         if not self.accepting:
             raise KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: no new sessions")
+        if len(self.by_id) >= self.max_sessions:
+            raise KVMemError(
+                Reason.TOO_MANY_SESSIONS,
+                f"too many sessions: {len(self.by_id)} attached, at most max_sessions = {self.max_sessions} "
+                "(kvmem serve --max-sessions); detach one or wait for one to end",
+                sessions=len(self.by_id),
+                limit=self.max_sessions,
+            )
         if len(name) > MAX_NAME_CHARS:
             raise KVMemError(Reason.BAD_VALUE, f"session name is {len(name)} characters, at most {MAX_NAME_CHARS}")
         if quota_pages is not None and (not isinstance(quota_pages, int) or quota_pages < 0):
@@ -126,31 +160,59 @@ class Sessions:
         session.last_seen = time.monotonic()
         return session
 
-    def end(self, session_id: str, why: str) -> int:
-        """Release everything the session holds and forget it. Returns the number of
-        requests released; 0 if it had already ended."""
+    def end(self, session_id: str, why: str, *, quarantine: bool = False, now: float | None = None) -> int:
+        """Release everything the session holds and forget it; with ``quarantine`` the
+        pages it leaves unreferenced stay out of use (:class:`Quarantine`). Returns the
+        number of requests released; 0 if it had already ended."""
         session = self.by_id.pop(session_id, None)
         if session is None:
             return 0
         sink = self._sync_memory
         rows = self.core.slots_of(session.owner) if sink is not None else None
         self.num_pages_released += self.core.pages_held(session.owner)
-        released = self.core.remove_owner(session.owner)
+        released = self.core.remove_owner(session.owner, quarantine=quarantine)
         if sink is not None and rows is not None and rows.size:
             sink.sync_rows(rows)
         self.sessions_ended[why] = self.sessions_ended.get(why, 0) + 1
+        held = self.core.quarantined_pages(session.owner)
+        if held:
+            until = (time.monotonic() if now is None else now) + self.quarantine_s
+            self.quarantined[session_id] = Quarantine(session.name, session.owner, until, held)
         log.info(
-            "session ended name=%s index=%d why=%s requests_released=%d", session.name, session.owner, why, released
-        )
+            "session ended name=%s index=%d why=%s requests_released=%d pages_quarantined=%d",
+            session.name, session.owner, why, released, held,
+        )  # fmt: skip
         return released
 
     def expire(self, now: float | None = None) -> list[str]:
-        """End every session idle for longer than the lease. O(sessions)."""
+        """End every session idle for longer than the lease, its pages quarantined (its
+        process may be stopped, not dead, and wake up to write into them); free the
+        quarantines whose time is up. O(sessions + quarantines)."""
         now = time.monotonic() if now is None else now
         stale = [s.session_id for s in self.by_id.values() if now - s.last_seen > self.lease_s]
         for session_id in stale:
-            self.end(session_id, "lease expired")
+            self.end(session_id, "lease expired", quarantine=True, now=now)
+        for session_id in [k for k, q in self.quarantined.items() if q.until <= now]:
+            self._unquarantine(session_id, "the quarantine period passed")
         return stale
+
+    def in_quarantine(self, session_id: str) -> bool:
+        return session_id in self.quarantined
+
+    def stream_gone(self, session_id: str) -> None:
+        """A keep-alive stream of this session ended from the client's side (its process
+        is gone, or it closed the stream): a live session ends at once and its pages
+        are free; a quarantined one's pages are free now, since no process of it is
+        left to write into them."""
+        if session_id in self.by_id:
+            self.end(session_id, "keep-alive stream closed")
+        elif session_id in self.quarantined:
+            self._unquarantine(session_id, "its keep-alive stream closed")
+
+    def _unquarantine(self, session_id: str, why: str) -> None:
+        q = self.quarantined.pop(session_id)
+        freed = self.core.release_quarantine(q.owner)
+        log.info("quarantine ended name=%s index=%d why=%s pages_freed=%d", q.name, q.owner, why, freed)
 
     # --------------------------------------------------------------- requests
 

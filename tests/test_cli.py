@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -44,8 +45,12 @@ SERVE_OPTIONS = {
     "--kv-lora-rank": "512",
     "--rope-dim": "64",
     "--dtype": "bfloat16",
+    "--max-sessions": "1024",
     "--lease-ms": "10000",
-    "--shutdown-grace-ms": "5000",
+    "--quarantine-ms": "none",
+    "--drain-ms": "1000",
+    "--shutdown-grace-ms": "500",
+    "--start-timeout-ms": "120000",
     "--log-level": "info",
 }
 
@@ -240,3 +245,144 @@ def test_serve_refuses_a_bad_env_value_naming_the_variable(tmpdir_short: str) ->
     assert run.returncode != 0
     assert "KVMEM_PAGE_SIZE" in run.stderr and "lots" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+# ------------------------------------------------------------- start-up refusals
+#
+# Every bad option or KVMEM_* value ends `kvmem serve` with exit 2 and one line on stderr
+# naming the option (or variable) and the value, and leaves nothing behind: no socket
+# file, no shm file, no listening port. Most are refused before anything is created;
+# the rest (a port taken after the checks) undo what was created.
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A TCP port on 127.0.0.1 that another socket listens on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def assert_refused(run: subprocess.CompletedProcess[str], named: list[str], sock: str, shm_dir: str) -> None:
+    assert run.returncode == 2, (run.returncode, run.stderr)
+    # One line, besides INFO lines and the line gRPC's core logs itself ("E1130 12:00:00.0 ... add_port.cc").
+    errors = [line for line in run.stderr.splitlines() if " INFO " not in line and not re.match(r"E\d{4} ", line)]
+    assert len(errors) == 1, run.stderr
+    for word in named:
+        assert word in errors[0], f"{word!r} not in {errors[0]!r}"
+    assert "Traceback" not in run.stderr
+    assert not os.path.exists(sock), f"{sock} left behind"
+    assert os.listdir(shm_dir) == [], f"shm files left behind: {os.listdir(shm_dir)}"
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@pytest.mark.parametrize(
+    "args, env, named",
+    [
+        # issue 11's four
+        (["--tcp", "127.0.0.1:{busy}"], {}, ["--tcp", "127.0.0.1:{busy}", "in use"]),
+        (["--socket", "{dir}/missing/kvmem.sock"], {}, ["--socket", "{dir}/missing/kvmem.sock", "no such directory"]),
+        (["--shutdown-grace-ms", "-1"], {}, ["--shutdown-grace-ms", "'-1'", ">= 0"]),
+        (["--memory", "-5GiB"], {}, ["--memory", "'-5GiB'", "negative"]),
+        # and more
+        (["--memory=-5GiB"], {}, ["--memory", "'-5GiB'", "negative"]),
+        (["--memory", "0"], {}, ["--memory", "'0'"]),
+        (["--lease-ms", "-5"], {}, ["--lease-ms", "'-5'", "positive"]),
+        (["--rope-dim", "-1"], {}, ["--rope-dim", "'-1'", ">= 0"]),
+        (["--device", "gpu"], {}, ["--device", "'gpu'"]),
+        (["--devices", "0,0"], {}, ["--devices", "'0,0'"]),
+        (["--dtype", "int8"], {}, ["--dtype", "'int8'"]),
+        (["--log-level", "loud"], {}, ["--log-level", "'loud'"]),
+        (["--metrics", "127.0.0.1:{busy}"], {}, ["--metrics", "127.0.0.1:{busy}", "in use"]),
+        (["--shm-dir", "{dir}/nowhere"], {}, ["--shm-dir", "{dir}/nowhere", "no such directory"]),
+        (["--socket", "{dir}/" + "s" * 120], {}, ["--socket", "s" * 120, "107"]),
+        ([], {"KVMEM_PAGE_SIZE": "16k"}, ["KVMEM_PAGE_SIZE", "'16k'", "positive integer"]),
+        ([], {"KVMEM_SHUTDOWN_GRACE_MS": "-1"}, ["KVMEM_SHUTDOWN_GRACE_MS", "'-1'"]),
+        ([], {"KVMEM_MEMORY": "-5GiB"}, ["KVMEM_MEMORY", "'-5GiB'", "negative"]),
+        ([], {"KVMEM_DEBUG": "maybe"}, ["KVMEM_DEBUG", "'maybe'"]),
+        ([], {"KVMEM_TCP": "127.0.0.1:{busy}"}, ["--tcp", "127.0.0.1:{busy}", "in use"]),
+    ],
+)
+def test_serve_refuses_a_bad_value_in_one_line_leaving_nothing_behind(
+    tmpdir_short: str, busy_port: int, args: list[str], env: dict[str, str], named: list[str]
+) -> None:
+    shm_dir = os.path.join(tmpdir_short, "shm")
+    os.mkdir(shm_dir)
+    sock = os.path.join(tmpdir_short, "kvmem.sock")
+
+    def fill(text: str) -> str:
+        return text.replace("{busy}", str(busy_port)).replace("{dir}", tmpdir_short)
+
+    run = kvmem("serve", "--socket", sock, "--shm-dir", shm_dir, *map(fill, args),
+                env=clean_env(**{k: fill(v) for k, v in env.items()}))  # fmt: skip
+    assert_refused(run, [fill(word) for word in named], sock, shm_dir)
+
+
+def test_a_port_taken_after_the_checks_undoes_the_start(tmpdir_short: str) -> None:
+    """--tcp and --metrics on one port: both are free when checked; gRPC takes it when it
+    starts listening, so the metrics listener, started last (after the shm files), fails:
+    the socket file, the shm files and the gRPC listener must all go."""
+    shm_dir = os.path.join(tmpdir_short, "shm")
+    os.mkdir(shm_dir)
+    sock = os.path.join(tmpdir_short, "kvmem.sock")
+    port = free_tcp_port()
+    address = f"127.0.0.1:{port}"
+    run = kvmem("serve", "--socket", sock, "--shm-dir", shm_dir, "--tcp", address, "--metrics", address)
+    assert_refused(run, ["cannot start", f"--metrics {address}"], sock, shm_dir)
+    assert port_is_free(port)
+
+
+def test_a_metrics_port_taken_after_the_checks_undoes_the_start(tmpdir_short: str, busy_port: int) -> None:
+    """The metrics port taken between the check and the bind (the check is switched off
+    here): the shm files, created before, must go."""
+    shm_dir = os.path.join(tmpdir_short, "shm")
+    os.mkdir(shm_dir)
+    sock = os.path.join(tmpdir_short, "kvmem.sock")
+    code = (
+        "import sys, kvmem.server.startup as startup\n"
+        "startup._probe_listen = lambda *a, **k: None\n"
+        "from kvmem.server.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    address = f"127.0.0.1:{busy_port}"
+    run = subprocess.run(
+        [sys.executable, "-c", code, "serve", "--socket", sock, "--shm-dir", shm_dir, "--metrics", address],
+        capture_output=True, text=True, env=clean_env(), timeout=60,
+    )  # fmt: skip
+    assert_refused(run, ["cannot start", f"--metrics {address}"], sock, shm_dir)
+
+
+def test_a_bad_serve_env_value_breaks_neither_help_nor_the_client_commands(server: ServerProcess) -> None:
+    env = clean_env(KVMEM_PAGE_SIZE="16k", KVMEM_MEMORY="-5GiB", KVMEM_DEBUG="maybe")
+    runs = {
+        name: subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for name, args in (
+            ("serve --help", ["serve", "--help"]),
+            ("health --help", ["health", "--help"]),
+            ("health", ["health", "--socket", server.socket_path]),
+            ("stats", ["stats", "--socket", server.socket_path]),
+        )
+    }
+    for name, p in runs.items():
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, (name, err)
+        assert "KVMEM_PAGE_SIZE" not in err, (name, err)
+
+
+def test_a_value_that_starts_with_a_dash_is_a_value_not_an_option(tmpdir_short: str) -> None:
+    """`--tcp --auth-token x`: the option after --tcp is still an option (--tcp has no
+    value); `--socket -x`: a value."""
+    run = kvmem("serve", "--tcp", "--auth-token", "x")
+    assert run.returncode == 2 and "--tcp: expected one argument" in run.stderr, run.stderr
+    run = kvmem("serve", "--devices", "-1")
+    assert run.returncode == 2 and "--devices" in run.stderr and "'-1'" in run.stderr, run.stderr

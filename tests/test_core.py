@@ -63,7 +63,10 @@ def make_core():
 def assert_audit(core: KVCore) -> None:
     report = core.audit()
     assert report.ok, report.problems
-    assert report.num_free_pages + report.num_cached_pages + report.num_used_pages == core.config.num_pages - 1
+    assert (
+        report.num_free_pages + report.num_cached_pages + report.num_used_pages + report.num_quarantined_pages
+        == core.config.num_pages - 1
+    )
 
 
 def step(core: KVCore, owner: int, quota_pages: int | None = None, **columns) -> StepResult:
@@ -194,6 +197,7 @@ def test_fresh_core(make_core) -> None:
         num_free_pages=8,
         num_cached_pages=0,
         num_used_pages=0,
+        num_quarantined_pages=0,
         num_free_request_slots=4,
         num_open_requests=0,
         owners=(),
@@ -1031,10 +1035,19 @@ INVALID_STEPS = [
      ["truncate_slots", "slot 2", "twice"]),
     ("alloc-duplicate", "a", dict(alloc_slots=[2, 1, 2], alloc_needs=[1, 1, 1]), Reason.DUPLICATE_SLOT,
      ["alloc_slots", "slot 2", "twice"]),
-    ("alloc-duplicate-longer-than-slots", "a", dict(alloc_slots=[1] * 10, alloc_needs=[0] * 10),
+    ("alloc-duplicate-as-long-as-slots", "a", dict(alloc_slots=[1] * 4, alloc_needs=[0] * 4),
      Reason.DUPLICATE_SLOT, ["alloc_slots", "slot 1", "twice"]),
-    ("release-duplicate-longer-than-slots", "a", dict(release_slots=[2] * 7), Reason.DUPLICATE_SLOT,
-     ["slot 2", "twice"]),
+    # A column longer than max_requests (4 here) is refused by its length, before anything else.
+    ("alloc-longer-than-slots", "a", dict(alloc_slots=[1] * 10, alloc_needs=[0] * 10),
+     Reason.BAD_VALUE, ["alloc_slots has 10 items", "max_requests = 4"]),
+    ("release-longer-than-slots", "a", dict(release_slots=[2] * 7), Reason.BAD_VALUE,
+     ["release_slots has 7 items", "max_requests = 4"]),
+    ("truncate-lens-longer-than-slots", "a", dict(truncate_slots=[1], truncate_lens=[0] * 5), Reason.BAD_VALUE,
+     ["truncate_lens has 5 items", "max_requests = 4"]),
+    ("expected-longer-than-slots", "a", dict(alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[6] * 5),
+     Reason.BAD_VALUE, ["alloc_expected_lens has 5 items", "max_requests = 4"]),
+    ("unknown-slots-longer-than-slots", "a", dict(truncate_slots=[BIG] * 5, truncate_lens=[0] * 5),
+     Reason.BAD_VALUE, ["truncate_slots has 5 items", "max_requests = 4"]),
     ("alloc-released", "a", dict(release_slots=[2], alloc_slots=[1, 2], alloc_needs=[1, 1]), Reason.SLOT_NOT_FOUND,
      ["alloc_slots[1]", "slot 2", "released"]),
     ("truncate-released", "a", dict(release_slots=[1], truncate_slots=[1], truncate_lens=[0]),
@@ -1188,7 +1201,7 @@ def _corrupt_owner_count(core: KVCore) -> None:
 @pytest.mark.parametrize(
     ("corrupt", "problem"),
     [
-        (_corrupt_free_stack_twice, "pages in the free stack twice"),
+        (_corrupt_free_stack_twice, "pages twice in the free stack and quarantines"),
         (_corrupt_ref_cnt, "ref_cnt differs from block-table references"),
         (_corrupt_row_tail, "non-zero block-table entries past a request's pages in rows [1]"),
         (_corrupt_slot_stack_repeat, "free request slot stack holds open or repeated slots"),
@@ -1234,7 +1247,7 @@ def test_audit_every_step_is_the_constructors_switch(monkeypatch: pytest.MonkeyP
     ]
     for call in calls:
         if audit_every_step:
-            with pytest.raises(CorruptionError, match=r"audit failed: .*pages in the free stack twice"):
+            with pytest.raises(CorruptionError, match=r"audit failed: .*pages twice in the free stack and quarantines"):
                 call()
         else:
             call()
@@ -1242,4 +1255,4 @@ def test_audit_every_step_is_the_constructors_switch(monkeypatch: pytest.MonkeyP
     assert not core.has_owner(a) and not core.block_table.any()
     report = core.audit()
     assert not report.ok
-    assert any("pages in the free stack twice" in p for p in report.problems), report.problems
+    assert any("pages twice in the free stack and quarantines" in p for p in report.problems), report.problems

@@ -102,6 +102,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.need_st = st.one_of(st.integers(0, 2), st.integers(0, max_context_len + 2))
         self.reqs: dict[int, Request] = {}  # open slot -> request
         self.free_pages: set[int] = set(range(1, num_pages))
+        self.quarantined: dict[int, set[int]] = {}  # removed owner's index -> its held pages
         self.next_rid = 0
         # Start with some requests open (swarm testing may switch open_requests off).
         for i in range(data.draw(st.integers(0, max_requests), label="num_initial")):
@@ -174,12 +175,13 @@ class CoreMachine(RuleBasedStateMachine):
         existing = {r.rid: s for s, r in self.reqs.items() if r.owner == owner}
         new = list(dict.fromkeys(r for r in rids if r not in existing))
         num_free_slots = self.cfg.max_requests - len(self.reqs)
-        if len(new) > num_free_slots:
+        too_long = len(rids) > self.cfg.max_requests  # the per-Open limit, even with repeated ids
+        if too_long or len(new) > num_free_slots:
             before = snapshot(core)
             try:
                 core.open(self.ids[owner], rids)
             except KVMemError as err:
-                assert err.reason is Reason.NO_FREE_REQUEST_SLOT
+                assert err.reason is (Reason.BAD_VALUE if too_long else Reason.NO_FREE_REQUEST_SLOT), str(err)
             else:
                 raise AssertionError("open beyond the free request slots succeeded")
             assert_same_snapshot(before, snapshot(core))
@@ -334,6 +336,8 @@ class CoreMachine(RuleBasedStateMachine):
             expected[i] = expected[i] + 1 if kind == "expected_mismatch" else -2
             reason = Reason.ALLOCED_LEN_MISMATCH if kind == "expected_mismatch" else Reason.BAD_VALUE
         with_expected = kind.startswith("expected") or data.draw(BOOL, label="with_expected")
+        if len(al) > self.cfg.max_requests:
+            reason = Reason.BAD_VALUE  # a column over max_requests is refused by its length, first
         before = snapshot(self.core)
         try:
             step(
@@ -475,6 +479,8 @@ class CoreMachine(RuleBasedStateMachine):
             reason = Reason.LENGTH_MISMATCH
         if kind not in ("float", "two_d"):
             kw["alloc_expected_lens"] = expected
+        if kind != "unknown_owner" and max(map(len, (rel, tr, tr_len, al, need, expected or ()))) > max_req:
+            reason = Reason.BAD_VALUE  # a column over max_requests is refused by its length, first
 
         before = snapshot(core)
         atomic = data.draw(BOOL, label="atomic")
@@ -493,9 +499,14 @@ class CoreMachine(RuleBasedStateMachine):
         owner = data.draw(self.owner_st, label="owner")
         mine = self.slots_of(owner)
         old = self.ids[owner]
-        assert core.remove_owner(old) == len(mine)
-        for s in mine:
-            self.free_pages.update(self.reqs.pop(s).pages)
+        quarantine = data.draw(st.booleans(), label="quarantine")
+        assert core.remove_owner(old, quarantine=quarantine) == len(mine)
+        pages = {p for s in mine for p in self.reqs.pop(s).pages}
+        if quarantine and pages:
+            self.quarantined[old] = pages  # out of use until released
+        else:
+            self.free_pages.update(pages)
+        assert core.quarantined_pages(old) == (len(pages) if quarantine else 0)
         assert not core.has_owner(old)
         self.gone.append(old)
         quota = data.draw(QUOTA, label="quota")
@@ -503,6 +514,18 @@ class CoreMachine(RuleBasedStateMachine):
         assert new not in self.gone and new not in self.ids.values(), (new, self.gone, self.ids)
         self.ids[owner] = new
         self.quota[owner] = quota
+
+    @rule(data=st.data())
+    def release_quarantine(self, data) -> None:
+        """A quarantined owner's pages come back; any other index frees nothing."""
+        held = sorted(self.quarantined)
+        if held and data.draw(st.booleans(), label="a_held_one"):
+            index = data.draw(st.sampled_from(held), label="held_index")
+        else:
+            index = data.draw(st.sampled_from([0, -1, 10**6, *self.ids.values(), *self.gone]), label="index")
+        pages = self.quarantined.pop(index, set())
+        assert self.core.release_quarantine(index) == len(pages)
+        self.free_pages.update(pages)
 
     @rule(data=st.data())
     def look_up_alloced_len(self, data) -> None:
@@ -547,14 +570,21 @@ class CoreMachine(RuleBasedStateMachine):
             used.update(req.pages)
         assert len(set(all_tokens)) == len(all_tokens), "a token slot is held twice"
         assert 0 not in used
-        assert used.isdisjoint(self.free_pages) and used | self.free_pages == set(range(1, cfg.num_pages))
+        held = set().union(*self.quarantined.values())
+        assert used.isdisjoint(self.free_pages) and used.isdisjoint(held) and held.isdisjoint(self.free_pages)
+        assert used | self.free_pages | held == set(range(1, cfg.num_pages))
         assert ref.tolist() == [1 if p in used else 0 for p in range(cfg.num_pages)]
         report = core.audit()
         assert report.ok, report.problems
         stats = core.stats()
         assert stats.num_free_pages == len(self.free_pages) == core.pool.num_free
-        assert stats.num_free_pages + stats.num_used_pages == cfg.num_pages - 1
-        assert report.num_free_pages + report.num_cached_pages + report.num_used_pages == cfg.num_pages - 1
+        assert stats.num_quarantined_pages == report.num_quarantined_pages == len(held)
+        assert set(core.pool.free_pages().tolist()) == self.free_pages
+        assert stats.num_free_pages + stats.num_used_pages + stats.num_quarantined_pages == cfg.num_pages - 1
+        assert (
+            report.num_free_pages + report.num_cached_pages + report.num_used_pages + report.num_quarantined_pages
+            == cfg.num_pages - 1
+        )
         assert stats.num_open_requests == len(self.reqs)
         assert stats.num_free_request_slots == cfg.max_requests - len(self.reqs)
         usage = {o.owner: (o.num_requests, o.num_pages_held) for o in stats.owners}

@@ -205,7 +205,7 @@ def stub(server: ServerProcess) -> Iterator[kvmem_pb2_grpc.KVMemoryStub]:
 def audited(stub: kvmem_pb2_grpc.KVMemoryStub) -> kvmem_pb2.StatsResponse:
     s = stub.Stats(kvmem_pb2.StatsRequest(audit=True), timeout=10)
     assert s.audit.ran and s.audit.ok, list(s.audit.problems)
-    assert s.num_free_pages + s.num_cached_pages + s.num_used_pages == TOTAL
+    assert s.num_free_pages + s.num_cached_pages + s.num_used_pages + s.num_quarantined_pages == TOTAL
     assert s.num_used_pages == sum(u.num_pages_held for u in s.sessions), s
     return s
 
@@ -290,9 +290,11 @@ def test_killed_and_stopped_clients_lose_their_pages_and_others_never_notice(
     """At once: "killed" gets SIGKILL, "sleeper" SIGSTOP, while "bystander" steps on.
 
     The killed process's keep-alive stream breaks with it: its pages are back within a
-    second. The stopped one's stream stays open but silent: its pages are back once its
-    lease (1500 ms) lapses, plus at most a second; woken up, its next call raises
-    SessionLost. The bystander steps before, during and after, without an error."""
+    second. The stopped one's stream stays open but silent: once its lease (1500 ms)
+    lapses, plus at most a second, its session ends and its pages are quarantined (it
+    may wake up and write into them), not free; woken up, its next call raises
+    SessionLost, its client closes the keep-alive stream, and only then are its pages
+    free. The bystander steps before, during and after, without an error."""
     killed = Child(server, "hold", "killed")
     sleeper = Child(server, "hold", "sleeper")
     bystander = Child(server, "loop", "bystander")
@@ -318,12 +320,16 @@ def test_killed_and_stopped_clients_lose_their_pages_and_others_never_notice(
         s, seen_stopped = wait_for(stub, lambda s: "sleeper" not in held_by(s), timeout=lease_s + 5)
         assert seen_stopped - t0 < lease_s + 1.0, f"the stopped client's pages came back after {seen_stopped - t0:.2f}s"
         assert list(held_by(s)) == ["bystander"] and s.num_open_requests == 2  # 6 request slots free again
+        s = audited(stub)
+        assert s.num_quarantined_pages == 10 and s.num_quarantined_sessions == 1, s
     finally:
         sleeper.proc.send_signal(signal.SIGCONT)
 
     sleeper.send("step")
     kind, code, reason, message = sleeper.expect_json("STEP")
     assert kind == "SessionLost", (kind, code, reason, message)
+    s, _ = wait_for(stub, lambda s: s.num_quarantined_pages == 0, timeout=5)  # it let go: the stream closed
+    assert s.num_quarantined_sessions == 0
     sleeper.send("exit")
     sleeper.expect("DONE")
     sleeper.finish()

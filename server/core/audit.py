@@ -15,36 +15,56 @@ from kvmem.server.core.slots import RequestSlots
 from kvmem.server.core.table import BlockTable
 
 
-def audit(config: CoreConfig, pool: PagePool, table: BlockTable, slots: RequestSlots) -> AuditReport:
+def audit(
+    config: CoreConfig,
+    pool: PagePool,
+    table: BlockTable,
+    slots: RequestSlots,
+    quarantine: dict[int, list[np.ndarray]],
+) -> AuditReport:
     problems: list[str] = []
-    num_used = _audit_pages(config, pool, problems)
+    held = [a for arrays in quarantine.values() for a in arrays]
+    in_quarantine = np.concatenate(held) if held else np.zeros(0, dtype=np.int32)
+    num_used = _audit_pages(config, pool, in_quarantine, problems)
     num_cached = 0  # no prefix cache yet
-    if pool.num_free + num_cached + num_used != config.num_pages - 1:
-        problems.append(f"free {pool.num_free} + cached {num_cached} + used {num_used} != {config.num_pages - 1} pages")
+    num_q = pool.num_quarantined
+    if in_quarantine.size != num_q:
+        problems.append(f"the quarantines hold {in_quarantine.size} pages but the pool counts {num_q}")
+    if pool.num_free + num_cached + num_used + num_q != config.num_pages - 1:
+        problems.append(
+            f"free {pool.num_free} + cached {num_cached} + used {num_used} + quarantined {num_q} "
+            f"!= {config.num_pages - 1} pages"
+        )
     have = table.num_pages_for(slots.alloced[: config.max_requests + 1])
     _audit_table(config, pool, table, slots, have, problems)
     _audit_owners(slots, have, problems)
     _audit_free_slots(config, slots, problems)
-    return AuditReport(not problems, tuple(problems), pool.num_free, num_cached, num_used)
+    return AuditReport(not problems, tuple(problems), pool.num_free, num_cached, num_used, num_q)
 
 
-def _audit_pages(config: CoreConfig, pool: PagePool, problems: list[str]) -> int:
-    """Reference counts against the free stack. Returns the number of used pages."""
+def _audit_pages(config: CoreConfig, pool: PagePool, in_quarantine: np.ndarray, problems: list[str]) -> int:
+    """Reference counts against the free stack and the quarantines: a page with no
+    reference is in exactly one of them. Returns the number of used pages."""
     ref = pool.ref_cnt
-    free = pool.free_pages()
+    free = np.concatenate((pool.free_pages(), in_quarantine))
     if ref[0] != 0:
         problems.append(f"page 0 has ref_cnt {int(ref[0])}")
     if np.count_nonzero(ref < 0):
         problems.append(f"negative ref_cnt on pages {np.flatnonzero(ref < 0).tolist()[:16]}")
     if free.size and (np.count_nonzero(free <= 0) or np.count_nonzero(free >= config.num_pages)):
-        problems.append("free stack holds ids outside [1, num_pages)")
+        problems.append("free stack or quarantine holds ids outside [1, num_pages)")
     else:
         in_free = np.bincount(free, minlength=config.num_pages)
         if np.count_nonzero(in_free > 1):
-            problems.append(f"pages in the free stack twice: {np.flatnonzero(in_free > 1).tolist()[:16]}")
+            twice = np.flatnonzero(in_free > 1).tolist()[:16]
+            problems.append(f"pages twice in the free stack and quarantines: {twice}")
         both = (in_free > 0) & (ref > 0)
         if np.count_nonzero(both):
-            problems.append(f"free pages with references: {np.flatnonzero(both).tolist()[:16]}")
+            problems.append(f"free or quarantined pages with references: {np.flatnonzero(both).tolist()[:16]}")
+        lost = (in_free == 0) & (ref == 0)
+        lost[0] = False
+        if np.count_nonzero(lost):
+            problems.append(f"pages neither referenced, free nor quarantined: {np.flatnonzero(lost).tolist()[:16]}")
     return int(np.count_nonzero(ref[1:] > 0))
 
 
@@ -79,6 +99,8 @@ def _audit_owners(slots: RequestSlots, have: np.ndarray, problems: list[str]) ->
         lost = [int(x) for x in mine.tolist() if slots.live_slot(o, slots.request_id[x] or "") != x]
         if lost:
             problems.append(f"owner {o.index} has open slots its request ids do not map to: {lost[:16]}")
+        if len(o.request_slots) != o.num_requests:
+            problems.append(f"owner {o.index} maps {len(o.request_slots)} request ids for {o.num_requests} requests")
         if int(have[mine].sum()) != o.num_pages_held:
             problems.append(
                 f"owner {o.index} holds {o.num_pages_held} pages by its count, {int(have[mine].sum())} by its rows"
@@ -87,6 +109,9 @@ def _audit_owners(slots: RequestSlots, have: np.ndarray, problems: list[str]) ->
     unknown = set(np.unique(owned[owned != 0]).tolist()) - set(slots.owners)
     if unknown:
         problems.append(f"slots owned by unknown owner indices {sorted(unknown)}")
+    kept = np.flatnonzero((owned == 0) & slots.request_id[1 : slots.max_requests + 1].astype(bool)) + 1
+    if kept.size:
+        problems.append(f"closed request slots keep a request id: {kept.tolist()[:16]}")
 
 
 def _audit_free_slots(config: CoreConfig, slots: RequestSlots, problems: list[str]) -> None:

@@ -87,17 +87,45 @@ class StepBatch:
         expected = self.alloc_expected_lens
         return expected if expected is not None and expected.size else None
 
-    def check_lengths(self) -> None:
-        """Columns of one kind have one length each (O(1); plain comparisons, since
-        every step pays for them)."""
-        tr, al = self.truncate_slots.size, self.alloc_slots.size
+    def check_lengths(self, max_items: int) -> None:
+        """No column holds more than ``max_items`` (the server's ``max_requests``: a
+        step names a request slot at most once per column, so a longer column cannot be
+        valid), checked first; and columns of one kind have one length each. O(1):
+        plain comparisons, since every step pays for them."""
+        rel, tr, al = self.release_slots.size, self.truncate_slots.size, self.alloc_slots.size
+        expected = self.alloc_expected_lens
+        if (
+            rel > max_items
+            or tr > max_items
+            or al > max_items
+            or self.truncate_lens.size > max_items
+            or self.alloc_needs.size > max_items
+            or (expected is not None and expected.size > max_items)
+        ):
+            raise self._too_many_items(max_items)
         if tr != self.truncate_lens.size:
             raise _mismatch("truncate_slots", tr, "truncate_lens", self.truncate_lens.size)
         if al != self.alloc_needs.size:
             raise _mismatch("alloc_slots", al, "alloc_needs", self.alloc_needs.size)
-        expected = self.alloc_expected_lens
         if expected is not None and expected.size and expected.size != al:
             raise _mismatch("alloc_slots", al, "alloc_expected_lens", expected.size)
+
+    def _too_many_items(self, max_items: int) -> KVMemError:
+        """The error naming the first column over ``max_items`` and its count."""
+        for name in _COLUMNS:
+            column = getattr(self, name)
+            if column is not None and column.size > max_items:
+                return KVMemError(
+                    Reason.BAD_VALUE,
+                    f"{name} has {column.size} items, at most max_requests = {max_items} per Step column",
+                    column=name,
+                    count=column.size,
+                    limit=max_items,
+                )
+        raise AssertionError("no column is over the limit")
+
+
+_COLUMNS = ("release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens")
 
 
 def _mismatch(name: str, n: int, other: str, m: int) -> KVMemError:

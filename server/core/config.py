@@ -53,6 +53,7 @@ class PoolStats:
     num_free_pages: int
     num_cached_pages: int  # always 0 until the prefix cache lands
     num_used_pages: int
+    num_quarantined_pages: int  # of owners removed with a quarantine, not yet released
     num_free_request_slots: int
     num_open_requests: int
     owners: tuple[OwnerUsage, ...]
@@ -65,3 +66,4 @@ class AuditReport:
     num_free_pages: int
     num_cached_pages: int
     num_used_pages: int
+    num_quarantined_pages: int

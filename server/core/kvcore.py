@@ -42,6 +42,8 @@ class KVCore:
         self.slots = RequestSlots(config.max_requests)
         self._allocator = Allocator(config, self.pool, self.table, self.slots)
         self.audit_every_step = audit_every_step
+        # Pages of removed owners that no one may take yet, by owner (see remove_owner).
+        self._quarantine: dict[int, list[np.ndarray]] = {}
 
     # ----------------------------------------------------------------- owners
 
@@ -49,15 +51,33 @@ class KVCore:
         """A new owner (a session); its index, never reused. O(max_requests), once."""
         return self.slots.add_owner()
 
-    def remove_owner(self, owner: int) -> int:
+    def remove_owner(self, owner: int, *, quarantine: bool = False) -> int:
         """Release every request of ``owner`` (exactly as a release step would) and
-        forget it. O(its requests + their pages). Returns the number of requests."""
+        forget it. With ``quarantine`` the pages this leaves unreferenced are not free:
+        they are held for ``owner`` (its process may still write into them) until
+        :meth:`release_quarantine`. O(its requests + their pages). Returns the number of
+        requests."""
         state = self.slots.owner(owner)
         open_slots = self.slots.slots_of(state)
-        steps.release(self.slots, self.table, state, open_slots)
+        hold: list[np.ndarray] | None = [] if quarantine else None
+        steps.release(self.slots, self.table, state, open_slots, hold)
         del self.slots.owners[owner]
+        if hold:
+            self._quarantine[owner] = hold
         self._maybe_audit()
         return int(open_slots.size)
+
+    def quarantined_pages(self, owner: int) -> int:
+        """Pages held in ``owner``'s quarantine (0 if none). O(its arrays)."""
+        return sum(int(a.size) for a in self._quarantine.get(owner, ()))
+
+    def release_quarantine(self, owner: int) -> int:
+        """Free the pages held in ``owner``'s quarantine; returns how many (0 if none).
+        O(those pages)."""
+        hold = self._quarantine.pop(owner, None)
+        freed = 0 if hold is None else self.pool.release_held(hold)
+        self._maybe_audit()
+        return freed
 
     def has_owner(self, owner: int) -> bool:
         return owner in self.slots.owners
@@ -90,7 +110,7 @@ class KVCore:
         items only when the pool or the quota runs short (never over tokens).
         """
         state = self.slots.owner(owner)
-        batch.check_lengths()
+        batch.check_lengths(self.config.max_requests)
         rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
         if al.size and not rel.size and not tr.size:
             fast = self._allocator.decode(state, al, batch.alloc_needs, batch.expectations(), quota_pages)
@@ -122,13 +142,15 @@ class KVCore:
     def stats(self) -> PoolStats:
         """Pool counters and per-owner usage. O(owners)."""
         num_free = self.pool.num_free
+        num_quarantined = self.pool.num_quarantined
         total = self.config.num_pages - 1
         slots = self.slots
         return PoolStats(
             num_pages_total=total,
             num_free_pages=num_free,
             num_cached_pages=0,
-            num_used_pages=total - num_free,
+            num_used_pages=total - num_free - num_quarantined,
+            num_quarantined_pages=num_quarantined,
             num_free_request_slots=slots.num_free,
             num_open_requests=self.config.max_requests - slots.num_free,
             owners=tuple(OwnerUsage(o.index, o.num_requests, o.num_pages_held) for o in slots.owners.values()),
@@ -136,7 +158,7 @@ class KVCore:
 
     def audit(self) -> AuditReport:
         """Check every invariant (O(pool): see :func:`kvmem.server.core.audit.audit`)."""
-        return audit(self.config, self.pool, self.table, self.slots)
+        return audit(self.config, self.pool, self.table, self.slots, self._quarantine)
 
     def _maybe_audit(self) -> None:
         if self.audit_every_step:

@@ -11,10 +11,12 @@ from kvmem.server.errors import CorruptionError
 class PagePool:
     """Page ids ``[1, num_pages)`` with a reference count each and a free stack.
 
-    Invariants (only this class changes ``ref_cnt``, ``_free`` and ``_num_free``): a
-    page is in ``_free[:_num_free]`` exactly when its ``ref_cnt`` is 0; page 0 is never
-    in the stack and its ``ref_cnt`` stays 0. The stack is a preallocated array, so a
-    take or a give back of ``P`` pages costs O(P), whatever the pool's size.
+    Invariants (only this class changes ``ref_cnt``, ``_free``, ``_num_free`` and
+    ``num_quarantined``): a page whose ``ref_cnt`` is 0 is either in ``_free[:_num_free]``
+    or held in exactly one quarantine (a list of arrays its caller keeps, counted in
+    ``num_quarantined``), never both; page 0 is in neither and its ``ref_cnt`` stays 0.
+    The stack is a preallocated array, so a take or a give back of ``P`` pages costs
+    O(P), whatever the pool's size.
 
     Each page has one :class:`~kvmem.server.core.words.StampedWords` word: the
     reference count is its value (``ref_cnt``), and :meth:`unref` uses the stamp to
@@ -28,6 +30,7 @@ class PagePool:
         # Descending, so the first pages handed out are 1, 2, 3, ... (readable in tests).
         self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
         self._num_free = num_pages - 1
+        self.num_quarantined = 0
         # The words of pages held once and stamped 0, 1, 2, ...
         self._expect_once = StampedWords.expected(1, self._words.order_size)
 
@@ -49,9 +52,10 @@ class PagePool:
         self._words.word[pages] = 1  # count 1, stamp cleared
         return pages
 
-    def unref(self, pages: np.ndarray) -> int:
+    def unref(self, pages: np.ndarray, hold: list[np.ndarray] | None = None) -> int:
         """Drop one reference from each entry of ``pages`` (a page may appear several
-        times); pages whose count reaches 0 go back to the free stack. A page that is
+        times); pages whose count reaches 0 go back to the free stack, or into ``hold``
+        (a quarantine: they are reused only once :meth:`release_held` gives them back). A page that is
         already free, page 0, or a page listed more often than it is referenced is a
         double free: nothing changes and :class:`CorruptionError` is raised. Returns the
         number of pages freed.
@@ -77,16 +81,16 @@ class PagePool:
         got = word.take(idx)  # a shade cheaper than word[idx]
         if expect.startswith(got):  # type: ignore[arg-type]  # numpy's stubs omit the buffer protocol
             word[idx] = 0
-            return self._push(pages)
+            return self._push(pages, hold)
         counts, stamps = StampedWords.split(got)
         if np.count_nonzero(counts < 1):
             bad = pages[counts < 1].tolist()[:16]
             raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
         if np.count_nonzero(stamps != order):
-            return self._unref_repeated(pages)  # some page listed more than once
+            return self._unref_repeated(pages, hold)  # some page listed more than once
         counts = counts - 1
         word[idx] = counts  # new counts, stamps cleared
-        return self._push(pages[counts == 0])
+        return self._push(pages[counts == 0], hold)
 
     def _indices(self, pages: np.ndarray) -> np.ndarray:
         """intp indices (numpy would convert int32 ones on every use). int32 ids (a
@@ -104,7 +108,7 @@ class PagePool:
         bad = pages[(pages < 0) | (pages >= self.num_pages)].tolist()[:16]
         return CorruptionError(f"unref of page ids outside [1, {self.num_pages}): {bad}", pages=bad)
 
-    def _unref_repeated(self, pages: np.ndarray) -> int:
+    def _unref_repeated(self, pages: np.ndarray, hold: list[np.ndarray] | None) -> int:
         """:meth:`unref` of a list with repeated pages (nothing changed yet). O(P log P)."""
         pages, times = np.unique(pages, return_counts=True)
         idx = pages.astype(np.intp)
@@ -115,11 +119,24 @@ class PagePool:
             raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
         counts -= times
         self._words.word[idx] = counts
-        return self._push(pages[counts == 0])
+        return self._push(pages[counts == 0], hold)
 
-    def _push(self, freed: np.ndarray) -> int:
+    def _push(self, freed: np.ndarray, hold: list[np.ndarray] | None = None) -> int:
         # The prefix cache will send cached pages to an evictable LRU here instead.
+        if hold is not None:
+            hold.append(np.array(freed, dtype=np.int32))  # a copy: the caller's array may be a view
+            self.num_quarantined += int(freed.size)
+            return int(freed.size)
         top = self._num_free
         self._free[top : top + freed.size] = freed
         self._num_free = top + freed.size
         return int(freed.size)
+
+    def release_held(self, hold: list[np.ndarray]) -> int:
+        """Give the pages of a quarantine back to the free stack. O(pages held)."""
+        freed = 0
+        for pages in hold:
+            self.num_quarantined -= int(pages.size)
+            freed += self._push(pages)
+        hold.clear()
+        return freed

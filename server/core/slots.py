@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -12,17 +13,18 @@ from kvmem.server.core.config import OwnerId
 from kvmem.server.core.words import StampedWords
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
 
+MAX_REQUEST_ID_BYTES = 256  # the longest request id, in bytes of UTF-8 (a documented limit)
+_ID_CHARS_ALWAYS_OK = MAX_REQUEST_ID_BYTES // 4  # no longer than this: within the limit, whatever the characters
+
 
 @dataclasses.dataclass(slots=True)
 class Owner:
     """Accounting of one owner (a session, known here by its small integer).
 
     ``num_pages_held`` is the sum over its open requests of their page counts, changed
-    only by the step code; ``num_requests`` their number. ``request_slots`` maps request
-    ids to slots and may keep entries of released requests: an entry is live only while
-    the slot is still this owner's under that id (:meth:`RequestSlots.live_slot`). A
-    release therefore costs no per-request dict work; the map is compacted when it
-    outgrows twice the open requests (amortised O(1) per release)."""
+    only by the step code; ``num_requests`` their number. ``request_slots`` maps the
+    request ids of its open requests to their slots, and only those: a release drops its
+    ids (released ids keep no memory)."""
 
     index: OwnerId
     slot_expect: bytes  # the slot words of its slots listed at positions 0, 1, 2, ...
@@ -47,7 +49,9 @@ class RequestSlots:
         self._words = StampedWords(n_slots, n_slots)
         self.owner_of = self._words.value
         self.alloced = np.zeros(n_slots, dtype=np.int32)
-        self.request_id: list[str | None] = [None] * n_slots
+        # The request id of each open slot, None when closed: an object array, so a
+        # release reads and clears its slots' ids in two array operations.
+        self.request_id = np.full(n_slots, None, dtype=object)
         self.scratch = np.zeros(n_slots, dtype=np.int64)  # scratch per slot, for checks
         self._free = np.arange(max_requests, 0, -1, dtype=np.int64)
         self.num_free = max_requests
@@ -79,7 +83,8 @@ class RequestSlots:
         return np.flatnonzero(self.owner_of[: self.max_requests + 1] == state.index)
 
     def live_slot(self, state: Owner, rid: str) -> int:
-        """The slot ``rid`` has open in ``state``, or 0. O(1)."""
+        """The slot ``rid`` has open in ``state``, or 0. O(1). (The map holds only open
+        requests; the checks against the slot arrays are for the audit.)"""
         slot = state.request_slots.get(rid, 0)
         if slot and self.owner_of[slot] == state.index and self.request_id[slot] == rid:
             return slot
@@ -89,12 +94,27 @@ class RequestSlots:
 
     def open(self, state: Owner, request_ids: Sequence[str]) -> np.ndarray:
         """Give each request id a slot; an id the owner already has keeps its slot.
-        All or nothing. O(n). Returns int32 slots in the order of ``request_ids``."""
+        All or nothing. O(n). Returns int32 slots in the order of ``request_ids``.
+
+        Limits, checked first: at most ``max_requests`` ids per call (a longer list
+        cannot fit the slot table), each at most :data:`MAX_REQUEST_ID_BYTES` bytes of
+        UTF-8."""
+        n, limit = len(request_ids), self.max_requests
+        if n > limit:
+            raise KVMemError(
+                Reason.BAD_VALUE,
+                f"request_ids has {n} items, at most max_requests = {limit} per Open",
+                count=n,
+                limit=limit,
+            )
+        live = state.request_slots
         new_ids: dict[str, None] = {}
         for i, rid in enumerate(request_ids):
             if not isinstance(rid, str) or not rid:
                 raise KVMemError(Reason.BAD_VALUE, f"request id #{i} must be a non-empty string, got {rid!r}", index=i)
-            if not self.live_slot(state, rid):
+            if len(rid) > _ID_CHARS_ALWAYS_OK:
+                _check_id_length(i, rid)
+            if rid not in live:
                 new_ids[rid] = None
         k, top = len(new_ids), self.num_free
         if k > top:
@@ -108,30 +128,28 @@ class RequestSlots:
             taken = self._free[top - k : top][::-1]
             self.num_free = top - k
             self.owner_of[taken] = state.index
-            for rid, slot in zip(new_ids, taken.tolist(), strict=True):
-                state.request_slots[rid] = slot
-                self.request_id[slot] = rid
+            live.update(zip(new_ids, taken.tolist(), strict=True))
+            self.request_id[taken] = np.fromiter(new_ids, dtype=object, count=k)
         state.num_requests += k
-        return np.fromiter((state.request_slots[r] for r in request_ids), dtype=np.int32, count=len(request_ids))
+        return np.fromiter(map(live.__getitem__, request_ids), dtype=np.int32, count=n)
 
     def close(self, state: Owner, slots: np.ndarray) -> None:
-        """Free slots whose rows the caller has dropped: lengths 0, owner 0, pushed on
-        the free stack with one copy. O(n)."""
+        """Free slots (open, ``state``'s, distinct) whose rows the caller has dropped:
+        lengths 0, owner 0, pushed on the free stack with one copy; their request ids
+        leave the slot array and the owner's map (released ids keep no memory). O(n):
+        array operations, and a dict pop per id in C (one ``clear`` when the owner
+        releases every request it has)."""
         self.alloced[slots] = 0
         self._words.word[slots] = 0  # owner and stamp
         top = self.num_free
         self._free[top : top + slots.size] = slots
         self.num_free = top + slots.size
         state.num_requests -= slots.size
-        if len(state.request_slots) > 2 * state.num_requests + 64:
-            self._compact_request_map(state)
-
-    def _compact_request_map(self, state: Owner) -> None:
-        """Rebuild ``state.request_slots`` from the open slots, dropping released ids.
-        O(max_requests) numpy plus O(open requests) Python; called once the map holds
-        more stale entries than live ones (plus 64), so amortised O(1) per release."""
-        ids = self.request_id
-        state.request_slots = {ids[s] or "": s for s in self.slots_of(state).tolist()} if state.num_requests else {}
+        if state.num_requests:
+            collections.deque(map(state.request_slots.pop, self.request_id[slots].tolist()), maxlen=0)
+        else:
+            state.request_slots.clear()
+        self.request_id[slots] = None
 
     # ----------------------------------------------------------------- checks
 
@@ -193,3 +211,17 @@ class RequestSlots:
             ),
         )  # fmt: skip
         raise CorruptionError(f"{what}: the slot check refused slots it then found valid")
+
+
+def _check_id_length(i: int, rid: str) -> None:
+    """BAD_VALUE when request id #``i`` is longer than :data:`MAX_REQUEST_ID_BYTES`
+    bytes of UTF-8 (the message names its length, never the id)."""
+    size = len(rid) if rid.isascii() else len(rid.encode("utf-8", "surrogatepass"))
+    if size > MAX_REQUEST_ID_BYTES:
+        raise KVMemError(
+            Reason.BAD_VALUE,
+            f"request id #{i} is {size} bytes long (UTF-8), at most {MAX_REQUEST_ID_BYTES} (the request id limit)",
+            index=i,
+            length=size,
+            limit=MAX_REQUEST_ID_BYTES,
+        )

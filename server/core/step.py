@@ -82,10 +82,12 @@ def _disagreement(
     return error
 
 
-def release(slots: RequestSlots, table: BlockTable, state: Owner, rel: np.ndarray) -> int:
-    """End requests: drop their pages, zero their rows, free their slots. Returns the
-    pages dropped. O(n * width)."""
-    dropped = table.drop_rows(rel, slots.alloced[rel])
+def release(
+    slots: RequestSlots, table: BlockTable, state: Owner, rel: np.ndarray, hold: list[np.ndarray] | None = None
+) -> int:
+    """End requests: drop their pages (into ``hold``, a quarantine, when given), zero
+    their rows, free their slots. Returns the pages dropped. O(n * width)."""
+    dropped = table.drop_rows(rel, slots.alloced[rel], hold)
     state.num_pages_held -= dropped
     slots.close(state, rel)
     return dropped

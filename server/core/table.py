@@ -65,11 +65,12 @@ class BlockTable:
         self.flat[pos] = 0
         return int(pages.size)
 
-    def drop_rows(self, slots: np.ndarray, alloced: np.ndarray) -> int:
+    def drop_rows(self, slots: np.ndarray, alloced: np.ndarray, hold: list[np.ndarray] | None = None) -> int:
         """Unreference every page of each slot's row (``alloced`` tokens long) and zero
         the rows: one gather of each row's first ``width`` entries (``width`` pages for
         the longest row) instead of a per-page gather, and one zeroing of the same.
-        Returns the number of entries dropped. O(n * width)."""
+        Pages left unreferenced go to ``hold`` when given (a quarantine, see
+        :meth:`PagePool.unref`). Returns the number of entries dropped. O(n * width)."""
         if not alloced.size:
             return 0
         longest = alloced.item(alloced.argmax())  # argmax: a third of max()'s fixed cost
@@ -81,7 +82,7 @@ class BlockTable:
         pages = heads[slots].view(_INT32)  # the rows' first `width` entries, row after row
         if alloced.item(alloced.argmin()) <= (width - 1) * ps:  # some row holds fewer pages
             pages = pages.reshape(-1, width)[self._col[:width] < self.num_pages_for(alloced)[:, None]]
-        self.pool.unref(pages)
+        self.pool.unref(pages, hold)
         heads[slots] = zero
         return int(pages.size)
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvmem.server.memory.base import CudaIpcInfo, HandleInfo, MemoryBackend
-from kvmem.server.memory.geometry import GeometryError, PoolSpec, _as_int, format_size
+from kvmem.server.memory.geometry import GeometryError, MemoryUnavailable, PoolSpec, _as_int, format_size
 
 
 def device_uuid(index: int) -> str:
@@ -80,12 +80,15 @@ class CudaBackend(MemoryBackend):
 
     def _check_free(self, needed: int) -> None:
         for d in self.devices:
-            free, _total = torch.cuda.mem_get_info(d)
+            free, total = torch.cuda.mem_get_info(d)
+            message = (
+                f"the pool needs {needed} bytes ({format_size(needed)}) on cuda:{d} but it has "
+                f"{free} bytes ({format_size(free)}) free: lower --num-pages/--memory"
+            )
+            if needed > total:
+                raise GeometryError(f"{message} (it has {format_size(total)} in all)")
             if needed > free:
-                raise GeometryError(
-                    f"the pool needs {needed} bytes ({format_size(needed)}) on cuda:{d} but it has "
-                    f"{free} bytes ({format_size(free)}) free: lower --num-pages/--memory"
-                )
+                raise MemoryUnavailable(message, needed, free)
 
     def _allocate(self) -> None:
         """The pinned host table and its staging rows, then per device its table copy,

@@ -31,6 +31,17 @@ class GeometryError(ValueError):
     option and the value (``--kv-heads must be >= 1, got 0``)."""
 
 
+class MemoryUnavailable(GeometryError):
+    """The pool fits the device's memory, but not what is free of it now: memory held
+    by someone else (e.g. a crashed server's allocation that clients' views still pin)
+    may come back, so waiting can help. ``needed`` and ``free`` are bytes."""
+
+    def __init__(self, message: str, needed: int, free: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.free = free
+
+
 def _as_int(value: Any, option: str) -> int:
     if isinstance(value, bool):
         raise GeometryError(f"{option} must be an integer, got {value!r}")

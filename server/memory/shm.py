@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvmem.server.memory.base import HandleInfo, MemoryBackend, log
-from kvmem.server.memory.geometry import GeometryError, PoolSpec, format_size
+from kvmem.server.memory.geometry import GeometryError, MemoryUnavailable, PoolSpec, format_size
 
 _ID_RE = r"(\d+-[0-9a-f]{16})"
 
@@ -205,10 +205,14 @@ class ShmBackend(MemoryBackend):
     # -- construction helpers
 
     def _check_space(self, needed: int) -> None:
+        """GeometryError if the pool can never fit the directory's filesystem;
+        MemoryUnavailable if it fits but not in what is free now."""
         st = os.statvfs(self.directory)
-        free = st.f_bavail * st.f_frsize
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        if needed > total:
+            raise GeometryError(self._space_message(needed, free) + f" (it holds {format_size(total)} in all)")
         if needed > free:
-            raise GeometryError(self._space_message(needed, free))
+            raise MemoryUnavailable(self._space_message(needed, free), needed, free)
 
     def _space_message(self, needed: int, free: int) -> str:
         return (
@@ -222,8 +226,8 @@ class ShmBackend(MemoryBackend):
             fd = _create_file(path, size, reserve)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EFBIG):
-                st = os.statvfs(self.directory)
-                raise GeometryError(self._space_message(self._needed, st.f_bavail * st.f_frsize)) from None
+                free = os.statvfs(self.directory).f_bavail * os.statvfs(self.directory).f_frsize
+                raise MemoryUnavailable(self._space_message(self._needed, free), self._needed, free) from None
             raise
         try:
             return _map_fd(fd, size)

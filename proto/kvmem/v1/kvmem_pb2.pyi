@@ -35,6 +35,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_BAD_TOKEN: _ClassVar[ErrorReason]
     ERROR_REASON_SHUTTING_DOWN: _ClassVar[ErrorReason]
     ERROR_REASON_CORRUPTION: _ClassVar[ErrorReason]
+    ERROR_REASON_TOO_MANY_SESSIONS: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_READY: _ClassVar[ErrorReason]
 KV_FORMAT_UNSPECIFIED: KVFormat
 KV_FORMAT_MHA: KVFormat
 KV_FORMAT_MLA: KVFormat
@@ -55,6 +57,8 @@ ERROR_REASON_NO_FREE_REQUEST_SLOT: ErrorReason
 ERROR_REASON_BAD_TOKEN: ErrorReason
 ERROR_REASON_SHUTTING_DOWN: ErrorReason
 ERROR_REASON_CORRUPTION: ErrorReason
+ERROR_REASON_TOO_MANY_SESSIONS: ErrorReason
+ERROR_REASON_NOT_READY: ErrorReason
 
 class KVLayout(_message.Message):
     __slots__ = ("format", "num_layers", "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "dtype", "bytes_per_token")
@@ -273,7 +277,7 @@ class AuditResult(_message.Message):
     def __init__(self, ran: _Optional[bool] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms")
+    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +294,8 @@ class StatsResponse(_message.Message):
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BACKEND_FIELD_NUMBER: _ClassVar[int]
     UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUARANTINED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     geometry: PoolGeometry
     num_pages_total: int
@@ -306,4 +312,6 @@ class StatsResponse(_message.Message):
     prefix_query_tokens: int
     memory_backend: str
     uptime_ms: int
-    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ...) -> None: ...
+    num_quarantined_pages: int
+    num_quarantined_sessions: int
+    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ...) -> None: ...
