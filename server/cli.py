@@ -356,7 +356,14 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         audit_every_step=args.debug_audit,
     )
-    return serve(config)
+    code = serve(config)
+    # The server has stopped and freed everything; the interpreter's own teardown (torch's
+    # above all) took seconds on a loaded host, past the exit a SIGTERM is promised. Skip
+    # it: flush what was written, then leave.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _health(args: argparse.Namespace) -> int:
