@@ -62,7 +62,6 @@ class Quarantine:
     name: str
     owner: OwnerId
     until: float
-    num_pages: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -177,7 +176,7 @@ class Sessions:
         held = self.core.quarantined_pages(session.owner)
         if held:
             until = (time.monotonic() if now is None else now) + self.quarantine_s
-            self.quarantined[session_id] = Quarantine(session.name, session.owner, until, held)
+            self.quarantined[session_id] = Quarantine(session.name, session.owner, until)
         log.info(
             "session ended name=%s index=%d why=%s requests_released=%d pages_quarantined=%d",
             session.name, session.owner, why, released, held,
