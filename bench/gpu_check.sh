@@ -18,8 +18,9 @@
 #   1. tests: tests/test_memory_cuda.py (the cuda backend: IPC handles opened in other
 #      processes, device block tables) and tests/test_service_memory.py (real servers
 #      and client processes; with a GPU its --device cuda:0 two-process write/read test
-#      runs too). Skip reasons are printed: with one GPU only the two-GPU
-#      tensor-parallel test may skip.                                   (timeout 170 s)
+#      runs too), and tests/test_recovery.py's cuda variant (a restarted server waits
+#      for device memory a client still maps through CUDA IPC). Skip reasons are
+#      printed: with one GPU only the two-GPU tensor-parallel test may skip. (170 s)
 #   2. benchmark: bench/memory_bench.py --gpu-only -- the Step round trip (256 decode
 #      allocs of 1 token, pages of 16) against --device cuda:0 vs --device none,
 #      interleaved; target <= 1.3x (PASS/MISS in the table).           (timeout 100 s)
@@ -78,6 +79,7 @@ if [ "${results[0]}" != "environment: ok" ]; then
 fi
 
 run_part tests 170 "$PYTHON" -m pytest tests/test_memory_cuda.py tests/test_service_memory.py \
+    "tests/test_recovery.py::test_the_cuda_variant_waits_for_device_memory_clients_still_map" \
     -q -rs --timeout 120 -p no:cacheprovider
 run_part benchmark 100 "$PYTHON" bench/memory_bench.py --gpu-only --reps 3000 --budget 30 \
     --json "$OUT_DIR/memory_bench.json"

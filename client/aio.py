@@ -85,8 +85,8 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
         try:
             if detach is not None:
                 await self._perform(detach)
-        except KVMemError:
-            pass  # the session is gone either way
+        except KVMemError as err:
+            self._session.detach_failed(err)  # the session is gone either way; maybe the server too
         finally:
             await self._shutdown()
 

@@ -295,6 +295,16 @@ class Session:
         lost.views_stale = not (lost.reason == Reason["UNKNOWN_SESSION"] and lost.metadata.get("epoch") == self.epoch)
         self._lose(lost)
 
+    def detach_failed(self, err: KVMemError) -> None:
+        """Closing the client, its Detach failed. UNAVAILABLE means the server cannot be
+        reached, is going or has just been replaced: its memory is gone or going, so the
+        views are stale (the keep-alive stream, which would have said so, is closed with
+        the client)."""
+        if err.code == grpc.StatusCode.UNAVAILABLE:
+            gone = SessionLost(err.code, err.raw_reason, f"the server is gone: {err.message}", err.metadata)
+            gone.views_stale = True
+            self._lose(gone)
+
     def _lose(self, why: KVMemError) -> None:
         """The session is lost: the first cause stands, except that a later one saying the
         server is gone (views stale) replaces one that did not, so the caller learns it."""

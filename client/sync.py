@@ -75,8 +75,8 @@ class KVMemClient(ClientBase[Blocking]):
         try:
             if detach is not None:
                 self._perform(detach)
-        except KVMemError:
-            pass  # the session is gone either way
+        except KVMemError as err:
+            self._session.detach_failed(err)  # the session is gone either way; maybe the server too
         finally:
             self._shutdown()
 
