@@ -115,17 +115,23 @@ class StepBatch:
         for name in _COLUMNS:
             column = getattr(self, name)
             if column is not None and column.size > max_items:
-                return KVMemError(
-                    Reason.BAD_VALUE,
-                    f"{name} has {column.size} items, at most max_requests = {max_items} per Step column",
-                    column=name,
-                    count=column.size,
-                    limit=max_items,
-                )
+                return too_many(name, column.size, max_items, "Step column", column=name)
         raise AssertionError("no column is over the limit")
 
 
 _COLUMNS = ("release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens")
+
+
+def too_many(name: str, count: int, limit: int, per: str, **metadata: object) -> KVMemError:
+    """A list longer than ``max_requests`` (``limit``): it cannot be valid, since it
+    would name a request slot twice or more requests than the server has slots."""
+    return KVMemError(
+        Reason.BAD_VALUE,
+        f"{name} has {count} items, at most max_requests = {limit} per {per}",
+        count=count,
+        limit=limit,
+        **metadata,
+    )
 
 
 def _mismatch(name: str, n: int, other: str, m: int) -> KVMemError:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmem.server.core.batch import raise_first
+from kvmem.server.core.batch import raise_first, too_many
 from kvmem.server.core.config import OwnerId
 from kvmem.server.core.words import StampedWords
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
@@ -101,12 +101,7 @@ class RequestSlots:
         UTF-8."""
         n, limit = len(request_ids), self.max_requests
         if n > limit:
-            raise KVMemError(
-                Reason.BAD_VALUE,
-                f"request_ids has {n} items, at most max_requests = {limit} per Open",
-                count=n,
-                limit=limit,
-            )
+            raise too_many("request_ids", n, limit, "Open")
         live = state.request_slots
         new_ids: dict[str, None] = {}
         for i, rid in enumerate(request_ids):
