@@ -60,7 +60,7 @@ class MemoryBackend(abc.ABC):
     name: str
     pool: PoolSpec
     block_table: np.ndarray
-    syncs_rows: bool  # False when sync_rows is a no-op (the engine then skips it)
+    syncs_rows: bool  # False when sync_rows is a no-op (the sessions layer then skips it)
 
     def __init__(self, pool: PoolSpec) -> None:
         self.pool = pool
