@@ -31,6 +31,7 @@ T = TypeVar("T")
 P = ParamSpec("P")
 Mode = TypeVar("Mode")
 
+_MAX_UNANSWERED = 1024  # keep-alive send times kept while their answers are due
 UNSPECIFIED: Reason = Reason["UNSPECIFIED"]  # what the client says where it has no server's reason
 _NOT_ATTACHED = "not attached: use `await AsyncKVMemClient.connect(...)` or `async with AsyncKVMemClient(...)`"
 
@@ -86,6 +87,7 @@ class Session:
         # lease. The server refreshes the lease when it takes a message, never earlier.
         self.lease_valid_until = 0.0
         self._keepalive_sent: collections.deque[float] = collections.deque()
+        self._keepalive_overflow = False  # more than _MAX_UNANSWERED unanswered: see keepalive_sent
         # Called once, the first time the session is lost with its views stale (from the
         # keep-alive thread, or the caller's, or its event loop): see SessionLost.views_stale.
         self.on_views_stale: Callable[[SessionLost], None] | None = None
@@ -268,13 +270,19 @@ class Session:
         return kvmem_pb2.KeepAliveRequest(session_id=self.session_id), kvmem_pb2.KeepAliveRequest()
 
     def keepalive_sent(self) -> None:
-        """A keep-alive message goes out now (called just before it is yielded)."""
-        self._keepalive_sent.append(time.monotonic())
+        """A keep-alive message goes out now (called just before it is yielded). Unanswered
+        messages (a server that parks the stream of a lapsed session answers none) are
+        remembered up to a bound; past it the pairing of answers to messages is lost, and
+        keep-alive answers confirm the lease no more (calls still do)."""
+        if len(self._keepalive_sent) >= _MAX_UNANSWERED:
+            self._keepalive_overflow = True
+        if not self._keepalive_overflow:
+            self._keepalive_sent.append(time.monotonic())
 
     def keepalive_answered(self) -> None:
         """The server answered the oldest unanswered keep-alive message (answers come
         in order, one per message): the lease holds until its send time + the lease."""
-        if self._keepalive_sent:
+        if self._keepalive_sent and not self._keepalive_overflow:
             self.lease_confirmed(self._keepalive_sent.popleft())
 
     def keepalive_ended(self, err: grpc.RpcError | None, closing: bool) -> None:
