@@ -238,7 +238,8 @@ class Session:
                 )
                 self._check_not_lost()
         value = call.read(response)
-        self.lease_confirmed(call.sent_at)
+        if not call.fenced:  # after the read: Attach's sets the lease it confirms
+            self.lease_confirmed(call.sent_at)
         return value
 
     def lease_confirmed(self, sent_at: float) -> None:

@@ -329,16 +329,17 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
             _array(expected) if len(expected) else None,
             request.atomic,
         )
-        result = self.sessions.step(request.session_id, batch)
+        sessions = self.sessions  # a property (NOT_READY before the pool exists): read once
+        result = sessions.step(request.session_id, batch)
         return kvmem_pb2.StepResponse(
-            epoch=self.sessions.epoch,
+            epoch=sessions.epoch,
             alloc_status=result.alloc_status.tobytes(),
             kv_loc=_le_bytes(result.kv_loc),
             kv_loc_offsets=_le_bytes(result.kv_loc_offsets),
             new_pages=_le_bytes(result.new_pages),
             new_page_offsets=_le_bytes(result.new_page_offsets),
             num_pages_released=result.num_pages_released,
-            num_free_pages=self.sessions.core.pool.num_free,
+            num_free_pages=sessions.core.pool.num_free,
         )
 
     @_unary

@@ -173,7 +173,7 @@ class Sessions:
         if sink is not None and rows is not None and rows.size:
             sink.sync_rows(rows)
         self.sessions_ended[why] = self.sessions_ended.get(why, 0) + 1
-        held = self.core.quarantined_pages(session.owner)
+        held = self.core.quarantined_pages(session.owner) if quarantine else 0
         if held:
             until = (time.monotonic() if now is None else now) + self.quarantine_s
             self.quarantined[session_id] = Quarantine(session.name, session.owner, until)
