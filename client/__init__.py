@@ -23,6 +23,9 @@ _WHERE = {
     "AsyncKVMemClient": "kvmem.client.aio",
     "KVMemClient": "kvmem.client.sync",
     "stats": "kvmem.client.admin",
+    "watch_events": "kvmem.client.admin",
+    "EventStream": "kvmem.client.events",
+    "AsyncEventStream": "kvmem.client.events",
     "MappedMemory": "kvmem.client.memory",
     **{
         name: "kvmem.client.errors"
@@ -49,7 +52,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AllocStatus",
+    "AsyncEventStream",
     "AsyncKVMemClient",
+    "EventStream",
     "FailedPrecondition",
     "InvalidArgument",
     "KVMemClient",
@@ -64,4 +69,5 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "stats",
+    "watch_events",
 ]

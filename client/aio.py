@@ -18,6 +18,7 @@ from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 from .channel import CHANNEL_OPTIONS
 from .errors import KVMemError, SessionLost
+from .events import AsyncEventStream, watch_request
 from .session import Call, Session
 from .surface import Awaiting, ClientBase
 
@@ -78,6 +79,17 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
         finally:
             if call.ends_session:
                 await self._stop_keepalive()
+
+    def watch_events(self, from_seq: int = 0, epoch: str = "") -> AsyncEventStream:
+        """The prefix cache's events from batch ``from_seq`` of ``epoch`` (empty: the
+        server's current one) on, then live: ``async for batch in
+        client.watch_events(...)`` yields ``kvmem.v1.KVEventBatch`` messages (see
+        :mod:`kvmem.client.events`); ``close()`` it to cancel the call. It needs no
+        session, only the client's channel (open once attached)."""
+        if self._channel is None:
+            raise RuntimeError("not attached: the channel opens at attach()")
+        request = watch_request(from_seq, epoch)
+        return AsyncEventStream(self._stub.WatchEvents(request, metadata=self._session.metadata))
 
     async def close(self) -> None:
         """Detach (if still attached) and close the channel. Idempotent."""

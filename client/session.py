@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar
 
 import grpc
@@ -25,7 +25,7 @@ from kvmem.v1 import kvmem_pb2
 
 from .channel import auth_metadata
 from .errors import KVMemError, Reason, SessionLost, from_rpc_error
-from .step import NO_COLUMN, IntsLike, StepResult, as_ints
+from .step import NO_COLUMN, IntsLike, StepResult, TokensLike, as_ints, pack_tokens
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -69,10 +69,18 @@ class Session:
     (detached, keep-alive broken, server restarted); every later call raises it."""
 
     def __init__(
-        self, *, name: str, quota_pages: int | None, timeout: float, auth_token: str | None, keepalive: bool
+        self,
+        *,
+        name: str,
+        quota_pages: int | None,
+        timeout: float,
+        auth_token: str | None,
+        keepalive: bool,
+        cache_namespace: str = "",
     ) -> None:
         self.name = name
         self.quota_pages = quota_pages
+        self.cache_namespace = cache_namespace
         self.timeout = timeout
         self.metadata = auth_metadata(auth_token)
         self.keepalive = keepalive
@@ -81,6 +89,7 @@ class Session:
         self.lease_ms = 0
         self.geometry = kvmem_pb2.PoolGeometry()
         self.memory_handles: list[kvmem_pb2.MemoryHandle] = []
+        self.prefix_cache = kvmem_pb2.PrefixCacheInfo()
         self.lost: KVMemError | None = None
         # Until when (monotonic seconds) the lease is known to hold: the send time of the
         # latest message the server is known to have taken (its answer came), plus the
@@ -100,7 +109,7 @@ class Session:
         self._check_not_lost()
         if self.session_id:
             raise RuntimeError(f"already attached as session {self.session_id[:6]}...: one client is one session")
-        request = kvmem_pb2.AttachRequest(name=self.name)
+        request = kvmem_pb2.AttachRequest(name=self.name, cache_namespace=self.cache_namespace)
         if self.quota_pages is not None:
             request.quota_pages = self.quota_pages
         return Call("Attach", request, self.timeout, self._attached)
@@ -111,6 +120,7 @@ class Session:
         self.lease_ms = resp.lease_ms
         self.geometry = resp.geometry
         self.memory_handles = list(resp.memory)
+        self.prefix_cache = resp.prefix_cache
 
     def open(self, request_ids: list[str], *, timeout: float | None = None) -> Call[torch.Tensor]:
         """Request slots (int32) for ``request_ids``; an id already open keeps its slot."""
@@ -127,9 +137,28 @@ class Session:
         alloc_needs: IntsLike = NO_COLUMN,
         alloc_expected_lens: IntsLike | None = None,
         atomic: bool = False,
+        release_token_ids: Sequence[TokensLike | None] | None = None,
+        cache: Sequence[tuple[int, TokensLike]] | None = None,
+        match: Sequence[tuple[int, TokensLike] | tuple[int, TokensLike, int | None]] | None = None,
         timeout: float | None = None,
     ) -> Call[StepResult]:
-        """One scheduler step in one round trip: releases, truncates, then allocs."""
+        """One scheduler step in one round trip: releases, truncates, caches, matches,
+        then allocs, validated whole (an invalid item changes nothing).
+
+        The prefix cache (token ids: lists, numpy arrays or torch tensors of ints):
+
+        * ``release_token_ids``: per release item, the request's token ids (or None):
+          its full pages enter the cache as the request ends (at most its alloced_len).
+        * ``cache``: ``(slot, token_ids)`` items: insert a running request's full pages
+          now (chunked prefill); where the cache holds an equal page the row is switched
+          to it (``StepResult.cache_switched``).
+        * ``match``: ``(slot, token_ids)`` or ``(slot, token_ids, max_tokens)`` items on
+          fresh requests (alloced_len 0): attach the longest run of cached full pages of
+          at most ``max_tokens`` tokens (None: no limit; pass ``len - 1`` to keep one
+          token to compute), written into the row; ``StepResult.match_lens`` says how
+          many tokens. An alloc of the same slot in this step extends from there (give
+          it no expected length).
+        """
         # One constructor call with only the columns given: a column left at its default
         # costs nothing, and on a client whose caches are cold between steps (as when many
         # scheduler processes share the cores) one call costs about two thirds of
@@ -149,8 +178,28 @@ class Session:
             columns["alloc_expected_lens"] = as_ints(alloc_expected_lens)
         if atomic:
             columns["atomic"] = True
+        if release_token_ids is not None or cache or match:
+            _prefix_columns(columns, release_token_ids, cache, match)
         request = kvmem_pb2.StepRequest(session_id=self._live_id(), **columns)
         return Call("Step", request, self._deadline(timeout), StepResult, fenced=True)
+
+    def match(
+        self, slot: int, token_ids: TokensLike, max_tokens: int | None = None, *, timeout: float | None = None
+    ) -> Call[int]:
+        """A step of one match item: request slot ``slot`` (fresh: alloced_len 0) takes
+        the longest run of cached full pages of ``token_ids`` (at most ``max_tokens``
+        tokens). Returns the tokens matched (a multiple of the page size; 0 with the
+        prefix cache off); the request's alloced_len is that now."""
+        call = self.step(match=[(slot, token_ids, max_tokens)], timeout=timeout)
+        return Call("Step", call.request, call.timeout, _match_len, fenced=True)
+
+    def cache(self, slot: int, token_ids: TokensLike, *, timeout: float | None = None) -> Call[int]:
+        """A step of one cache item: the full pages of ``token_ids`` (the request's
+        tokens so far, at most its alloced_len) enter the prefix cache now. Returns how
+        many pages of the row were switched to equal pages already cached (the block
+        table's row changed; their K/V need not be written again)."""
+        call = self.step(cache=[(slot, token_ids)], timeout=timeout)
+        return Call("Step", call.request, call.timeout, _pages_switched, fenced=True)
 
     def alloc(
         self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *, atomic: bool = False,
@@ -165,9 +214,13 @@ class Session:
         """A step of truncates only: request slot ``slots[i]`` shrinks to ``new_lens[i]`` tokens."""
         return self.step(truncate_slots=slots, truncate_lens=new_lens, timeout=timeout)
 
-    def release(self, slots: IntsLike, *, timeout: float | None = None) -> Call[StepResult]:
-        """A step of releases only: the requests end, their slots and pages return."""
-        return self.step(release_slots=slots, timeout=timeout)
+    def release(
+        self, slots: IntsLike, token_ids: Sequence[TokensLike | None] | None = None, *, timeout: float | None = None
+    ) -> Call[StepResult]:
+        """A step of releases only: the requests end, their slots and pages return.
+        With ``token_ids`` (per slot, its token ids or None) their full pages enter the
+        prefix cache first, for later matches of any session in this namespace."""
+        return self.step(release_slots=slots, release_token_ids=token_ids, timeout=timeout)
 
     def stats(self, *, audit: bool = False, timeout: float | None = None) -> Call[kvmem_pb2.StatsResponse]:
         """The server's Stats; ``audit`` runs the full audit (O(pool))."""
@@ -337,3 +390,35 @@ def _stats(resp: kvmem_pb2.StatsResponse) -> kvmem_pb2.StatsResponse:
 
 def _num_released(resp: kvmem_pb2.DetachResponse) -> int:
     return resp.num_requests_released
+
+
+def _match_len(resp: kvmem_pb2.StepResponse) -> int:
+    """The first match item's matched length (int32 LE), read without a tensor."""
+    return int.from_bytes(resp.match_lens[:4], "little", signed=True)
+
+
+def _pages_switched(resp: kvmem_pb2.StepResponse) -> int:
+    return int.from_bytes(resp.cache_switched[:4], "little", signed=True)
+
+
+def _prefix_columns(
+    columns: dict[str, Any],
+    release_token_ids: Sequence[TokensLike | None] | None,
+    cache: Sequence[tuple[int, TokensLike]] | None,
+    match: Sequence[tuple[int, TokensLike] | tuple[int, TokensLike, int | None]] | None,
+) -> None:
+    """The Step's prefix-cache columns: slots as ints, token lists packed (int32 LE
+    bytes with offsets), max tokens only when an item has one (-1: none)."""
+    if release_token_ids is not None:
+        columns["release_token_ids"], columns["release_token_offsets"] = pack_tokens(
+            release_token_ids, "release_token_ids"
+        )
+    if cache:
+        columns["cache_slots"] = [int(item[0]) for item in cache]
+        columns["cache_token_ids"], columns["cache_token_offsets"] = pack_tokens([item[1] for item in cache], "cache")
+    if match:
+        columns["match_slots"] = [int(item[0]) for item in match]
+        columns["match_token_ids"], columns["match_token_offsets"] = pack_tokens([item[1] for item in match], "match")
+        limits = [-1 if len(item) < 3 or item[2] is None else int(item[2]) for item in match]
+        if any(limit != -1 for limit in limits):
+            columns["match_max_tokens"] = limits

@@ -15,6 +15,7 @@ import torch
 from kvmem.v1 import kvmem_pb2
 
 IntsLike = Sequence[int] | np.ndarray | torch.Tensor
+TokensLike = Sequence[int] | np.ndarray | torch.Tensor  # one request's token ids (1-D, int32 range)
 
 AllocStatus = enum.IntEnum(  # type: ignore[misc]
     "AllocStatus",
@@ -40,6 +41,42 @@ def as_ints(values: IntsLike) -> Any:
     if kind is torch.Tensor or kind is np.ndarray or isinstance(values, (np.ndarray, torch.Tensor)):
         return cast("np.ndarray | torch.Tensor", values).tolist()
     return values
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
+_INT32 = np.iinfo(np.int32)
+
+
+def _token_array(tokens: TokensLike, where: str) -> np.ndarray:
+    """One token list as an int32 array (no copy when it is one already); ValueError or
+    TypeError naming ``where`` for anything but a 1-D list of integers in int32."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    a = np.asarray(tokens)
+    if a.size == 0:
+        return _NO_TOKENS
+    if a.ndim != 1:
+        raise ValueError(f"{where} must be a 1-D list of token ids, got shape {tuple(a.shape)}")
+    if a.dtype == np.int32:
+        return a
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{where} must hold integer token ids, got dtype {a.dtype}")
+    if int(a.min()) < _INT32.min or int(a.max()) > _INT32.max:
+        raise ValueError(f"{where} holds a token id outside int32")
+    return a.astype(np.int32)
+
+
+def pack_tokens(lists: Sequence[TokensLike | None], name: str) -> tuple[bytes, bytes]:
+    """Token lists as the wire's two fields: every list's int32 LE ids concatenated, and
+    int32 LE offsets ``[n + 1]`` (list ``i`` is ``ids[off[i]:off[i + 1]]``); None is an
+    empty list. numpy throughout: no Python loop over tokens."""
+    parts = [_NO_TOKENS if t is None else _token_array(t, f"{name}[{i}]") for i, t in enumerate(lists)]
+    offsets = np.zeros(len(parts) + 1, dtype="<i4")
+    if not parts:
+        return b"", offsets.tobytes()
+    offsets[1:] = np.cumsum([p.size for p in parts])
+    ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return ids.astype("<i4", copy=False).tobytes(), offsets.tobytes()
 
 
 class _BytesView:
@@ -77,22 +114,43 @@ class StepResult:
     made on first access: no copy, no loop, and nothing for what the caller never reads.
     """
 
-    __slots__ = ("_kv_loc", "_kv_loc_offsets", "_new_page_offsets", "_new_pages", "_resp", "_status")
+    __slots__ = (
+        "_cache_switched", "_kv_loc", "_kv_loc_offsets", "_match_lens", "_new_page_offsets", "_new_pages", "_resp",
+        "_status",
+    )  # fmt: skip
 
     status = _BytesView("alloc_status", torch.int8, "int8 [n]: AllocStatus per alloc item.")
     kv_loc = _BytesView("kv_loc", torch.int32, "int32 [T]: the token slots of every alloc item, concatenated.")
     kv_loc_offsets = _BytesView("kv_loc_offsets", torch.int32, "int32 [n + 1].")
     new_pages = _BytesView("new_pages", torch.int32, "int32 [P]: the page ids the step took, concatenated per item.")
     new_page_offsets = _BytesView("new_page_offsets", torch.int32, "int32 [n + 1].")
+    match_lens = _BytesView(
+        "match_lens", torch.int32, "int32 [m]: per match item, the tokens it matched (whole pages); its row holds them."
+    )
+    cache_switched = _BytesView(
+        "cache_switched", torch.int32,
+        "int32 [c]: per cache item, the pages of its row switched to an equal cached page (the row changed).",
+    )  # fmt: skip
 
     def __init__(self, resp: kvmem_pb2.StepResponse) -> None:
         self._resp = resp
         self._status = self._kv_loc = self._kv_loc_offsets = None
         self._new_pages = self._new_page_offsets = None
+        self._match_lens = self._cache_switched = None
 
     @property
     def num_pages_released(self) -> int:
         return self._resp.num_pages_released
+
+    @property
+    def num_pages_cached(self) -> int:
+        """Pages this step inserted into the prefix cache (release and cache items)."""
+        return self._resp.num_pages_cached
+
+    @property
+    def num_pages_evicted(self) -> int:
+        """Cached pages this step's allocs evicted to make room."""
+        return self._resp.num_pages_evicted
 
     @property
     def num_free_pages(self) -> int:

@@ -99,7 +99,10 @@ class ClientBase(Generic[Mode]):
     called once (from the keep-alive thread or task, or a call) when the session is lost
     because the server is gone or replaced: the client has dropped its own mappings, and
     the application must drop every view it took (see ``SessionLost.views_stale``). The memory handles of
-    the Attach are mapped on first use (``memory``, ``kv_cache``, ``block_table``)."""
+    the Attach are mapped on first use (``memory``, ``kv_cache``, ``block_table``).
+    ``cache_namespace``: the prefix-cache namespace the session shares cached pages in
+    (sessions of other namespaces never see them: other models, adapters, tenants);
+    empty is the shared default. ``prefix_cache`` says what the server does with it."""
 
     _mapped: MappedMemory | None = None
 
@@ -113,10 +116,16 @@ class ClientBase(Generic[Mode]):
         auth_token: str | None = None,
         keepalive: bool = True,
         on_views_stale: Callable[[SessionLost], None] | None = None,
+        cache_namespace: str = "",
     ) -> None:
         self.target = normalize_target(target)
         self._session = Session(
-            name=name, quota_pages=quota_pages, timeout=timeout, auth_token=auth_token, keepalive=keepalive
+            name=name,
+            quota_pages=quota_pages,
+            timeout=timeout,
+            auth_token=auth_token,
+            keepalive=keepalive,
+            cache_namespace=cache_namespace,
         )
         self._on_views_stale = on_views_stale
         self._session.on_views_stale = self._views_stale
@@ -135,6 +144,8 @@ class ClientBase(Generic[Mode]):
     alloc = Operation(Session.alloc)
     truncate = Operation(Session.truncate)
     release = Operation(Session.release)
+    match = Operation(Session.match)
+    cache = Operation(Session.cache)
     stats = Operation(Session.stats)
     detach = Operation(Session.detach)
 
@@ -158,6 +169,10 @@ class ClientBase(Generic[Mode]):
     lease_ms = SessionField[int]("The session ends after this long without a call or keep-alive message.")
     geometry = SessionField[kvmem_pb2.PoolGeometry]("The pool's geometry, as Attach reported it.")
     memory_handles = SessionField[list[kvmem_pb2.MemoryHandle]]("The memory handles Attach returned.")
+    prefix_cache = SessionField[kvmem_pb2.PrefixCacheInfo](
+        "The server's prefix cache as Attach reported it: ``enabled``, ``hash`` (the page-key recipe, e.g. "
+        "'xxh3-128') and this session's ``cache_namespace``."
+    )
 
     def lease_remaining(self) -> float:
         """Seconds the lease is still known to hold (negative once it may have lapsed).

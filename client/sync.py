@@ -16,6 +16,7 @@ from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 from .channel import CHANNEL_OPTIONS
 from .errors import KVMemError, SessionLost
+from .events import EventStream, watch_request
 from .session import Call, Session
 from .surface import Blocking, ClientBase
 
@@ -68,6 +69,16 @@ class KVMemClient(ClientBase[Blocking]):
         finally:
             if call.ends_session:
                 self._stop_keepalive()
+
+    def watch_events(self, from_seq: int = 0, epoch: str = "") -> EventStream:
+        """The prefix cache's events from batch ``from_seq`` of ``epoch`` (empty: the
+        server's current one) on, then live: an iterator of ``kvmem.v1.KVEventBatch``
+        (see :mod:`kvmem.client.events`); ``close()`` it to cancel the call. It needs no
+        session (a router without one: :func:`kvmem.client.admin.watch_events`)."""
+        if self._channel is None:
+            raise RuntimeError("the client is closed")
+        request = watch_request(from_seq, epoch)
+        return EventStream(self._stub.WatchEvents(request, metadata=self._session.metadata))
 
     def close(self) -> None:
         """Detach (if still attached) and close the channel. Idempotent."""

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 import grpc
@@ -16,6 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmem.server.core import CoreConfig
+from kvmem.server.core.events import AllCleared, CacheEvent
+from kvmem.server.core.hashing import PageKeys
+from kvmem.server.kv_events import EventLog
 from kvmem.server.memory import KVGeometry, MemoryBackend, PoolSpec, format_size
 from kvmem.server.metrics import MetricsServer, RpcStats, build_registry
 from kvmem.server.service import KVMemoryService, add_to_server, geometry_to_proto, handle_to_proto
@@ -43,6 +47,8 @@ class KVMemServer:
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self.metrics_server: MetricsServer | None = None
+        self.events: EventLog | None = None  # the prefix cache's events: WatchEvents' replay buffer
+        self.zmq_publisher: Any = None  # kv_events_zmq.ZmqEventPublisher with --kv-events-zmq
         self._starting: grpc.aio.Server | None = None  # the gRPC server until start() succeeds
         self._socket_made = False  # start() may have created the unix socket file
 
@@ -53,11 +59,11 @@ class KVMemServer:
         --start-timeout-ms); then serve (readiness SERVING). A failure undoes what was
         created (socket file, shm files, metrics listener) before raising."""
         cfg = self.config
-        core_cfg, pool, devices, metrics_at = check_config(cfg)
+        core_cfg, pool, devices, metrics_at, page_keys = check_config(cfg)
         try:
             await self._listen()
             self.memory = await self._allocate_waiting(pool, devices)
-            await self._open(core_cfg, pool.geometry, metrics_at)
+            await self._open(core_cfg, pool.geometry, metrics_at, page_keys)
         except BaseException:
             await self._undo_start()
             raise
@@ -74,6 +80,11 @@ class KVMemServer:
             "serving socket=%s tcp=%s max_requests=%d max_context=%d lease_ms=%d audit_every_step=%s epoch=%s",
             cfg.socket_path, cfg.tcp, core_cfg.max_requests, core_cfg.max_context_len, int(cfg.lease_s * 1000),
             cfg.audit_every_step, self.sessions.epoch,
+        )  # fmt: skip
+        log.info(
+            "prefix cache %s hash=%s; kv events: replay buffer %d batches, zmq=%s replay=%s",
+            "on" if cfg.prefix_cache else "off (--no-prefix-cache)", page_keys.name, cfg.kv_events_buffer,
+            cfg.kv_events_zmq, cfg.kv_events_replay,
         )  # fmt: skip
 
     async def _allocate_waiting(self, pool: PoolSpec, devices: tuple[int, ...]) -> MemoryBackend | None:
@@ -143,9 +154,12 @@ class KVMemServer:
             os.chmod(cfg.socket_path, 0o600)
         self.grpc_server = server
 
-    async def _open(self, core_cfg: CoreConfig, kv_geometry: KVGeometry, metrics_at: tuple[str, int] | None) -> None:
-        """The memory exists: the sessions over it, the service ready, the lease reaper,
-        metrics, readiness SERVING."""
+    async def _open(
+        self, core_cfg: CoreConfig, kv_geometry: KVGeometry, metrics_at: tuple[str, int] | None, page_keys: PageKeys
+    ) -> None:
+        """The memory exists: the sessions over it with the prefix cache's event log
+        (and its ZMQ publisher), the service ready, the lease reaper, metrics,
+        readiness SERVING."""
         cfg = self.config
         assert self.service is not None
         self.sessions = Sessions(
@@ -155,14 +169,68 @@ class KVMemServer:
             audit_every_step=cfg.audit_every_step,
             quarantine_s=cfg.quarantine_s,
             max_sessions=cfg.max_sessions,
+            prefix_cache=cfg.prefix_cache,
+            page_keys=page_keys,
+            event_sink=self._publish_events,
         )
+        self.events = EventLog(
+            self.sessions.epoch,
+            core_cfg.page_size,
+            capacity=cfg.kv_events_buffer,
+            snapshot=self.sessions.core.snapshot_events,
+        )
+        if cfg.kv_events_zmq is not None:
+            self._start_zmq(cfg.kv_events_zmq, self.events)
         geometry = geometry_to_proto(core_cfg, None if self.memory is None else kv_geometry)
         handles = [] if self.memory is None else [handle_to_proto(h) for h in self.memory.handles()]
-        self.service.ready(self.sessions, geometry, handles, "none" if self.memory is None else self.memory.name)
+        backend = "none" if self.memory is None else self.memory.name
+        self.service.ready(self.sessions, geometry, handles, backend, self.events)
         if metrics_at is not None:
             await self._start_metrics(*metrics_at)
         self._reaper = asyncio.create_task(self._reap_leases())
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    def _publish_events(self, events: list[CacheEvent]) -> None:
+        """The core's event sink: one mutating call's cache events into the event log
+        (which exists from right after the core: nothing is cached before it)."""
+        if self.events is not None:
+            self.events.publish(events)
+
+    def _start_zmq(self, endpoint: str, events: EventLog) -> None:
+        """Publish the events in vLLM's format (ZMQ PUB of msgpack batches, and a replay
+        socket with --kv-events-replay), for routers that read vLLM's KV events."""
+        from kvmem.server.kv_events_zmq import ZmqEventPublisher  # pyzmq and msgspec: kvmem[events]
+
+        cfg = self.config
+        try:
+            publisher = ZmqEventPublisher(
+                endpoint,
+                replay_endpoint=cfg.kv_events_replay,
+                topic=cfg.kv_events_topic,
+                buffer_steps=cfg.kv_events_buffer,
+            )
+        except Exception as exc:  # zmq.ZMQError and the like: a bad or busy endpoint
+            where = endpoint if cfg.kv_events_replay is None else f"{endpoint} (replay {cfg.kv_events_replay})"
+            raise StartupError(f"--kv-events-zmq {where}: cannot publish ({type(exc).__name__}: {exc})") from None
+        self.zmq_publisher = publisher
+        events.add_listener(publisher.listener)
+        # Routers that knew this node from an earlier run drop what it held then (the
+        # event log's own first batch, "all cleared", was recorded before this listener).
+        publisher.listener(0, time.time(), [AllCleared()])
+        log.info(
+            "kv events in vLLM's format on %s (replay %s)", publisher.bound_endpoint, publisher.bound_replay_endpoint
+        )
+
+    def _close_events(self) -> None:
+        """End the watch streams (the log) and the ZMQ publisher; each whatever the other does."""
+        events, self.events = self.events, None
+        publisher, self.zmq_publisher = self.zmq_publisher, None
+        try:
+            if events is not None:
+                events.close()
+        finally:
+            if publisher is not None:
+                publisher.close()
 
     async def _undo_start(self) -> None:
         """After a failed start: remove what it created, in reverse, each step whatever
@@ -170,6 +238,8 @@ class KVMemServer:
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
+        with contextlib.suppress(Exception):
+            self._close_events()
         server, self._starting, self.grpc_server = self._starting, None, None
         if server is not None:
             with contextlib.suppress(Exception):
@@ -225,6 +295,7 @@ class KVMemServer:
         self.service.stopping.set()  # from here every call is refused: UNAVAILABLE
         for task in list(self.service.keepalive_tasks):
             task.cancel()
+        self._close_events()  # watch streams end now (UNAVAILABLE), not after the grace period
         if self._reaper is not None:
             self._reaper.cancel()
         for session_id in list(self.sessions.by_id):

@@ -8,7 +8,6 @@ option's name in upper case, dashes as underscores: ``--page-size`` is
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -284,6 +283,7 @@ def _add_serve(sub: Any) -> None:
     _add(pool, "--start-timeout-ms", 120000, "while the pool's memory is held elsewhere (a crashed server's "
          "allocation that clients still map), how long to wait for it, live but not ready, before giving up",
          _integer(0, "milliseconds"))  # fmt: skip
+    _add_prefix_options(serve)
     _add(serve, "--log-level", "info", "debug, info, warning or error", _one_of("debug", "info", "warning", "error"))
     debug = serve.add_argument(
         "--debug-audit",
@@ -293,6 +293,42 @@ def _add_serve(sub: Any) -> None:
         "INTERNAL: for tests and debugging, not production (default: off; env KVMEM_DEBUG)",
     )
     setattr(debug, _ENV_SPEC, ("KVMEM_DEBUG", False, switch))
+
+
+PREFIX_HASHES = ("xxh3-128", "vllm-sha256-cbor")  # kvmem.server.core.hashing.RECIPES (not imported for --help)
+
+
+def _add_prefix_options(serve: argparse.ArgumentParser) -> None:
+    prefix = serve.add_argument_group(
+        "prefix cache and KV events",
+        "Full pages of released (and cached) requests stay in the pool, keyed by their tokens, until an alloc "
+        "needs the pages; sessions of one cache namespace (Attach) share them. KV-aware routers follow what is "
+        "cached through WatchEvents, or through the same events in vLLM's ZMQ format.",
+    )
+    off = prefix.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="turn the prefix cache off: release and cache items cache nothing, match items match nothing "
+        "(default: the cache is on; env KVMEM_NO_PREFIX_CACHE)",
+    )
+    setattr(off, _ENV_SPEC, ("KVMEM_NO_PREFIX_CACHE", False, switch))
+    _add(prefix, "--prefix-hash", "xxh3-128", "how a page's key is computed from its parent's key, its tokens and "
+         "the namespace: xxh3-128 (fast) or vllm-sha256-cbor (vLLM's sha256_cbor block hashes, about 30x slower: "
+         "use it when a router recomputes vLLM's keys from a request's tokens, e.g. llm-d)",
+         _one_of(*PREFIX_HASHES))  # fmt: skip
+    _add(prefix, "--prefix-hash-seed", None, "vllm-sha256-cbor only: the PYTHONHASHSEED of the vLLM deployment "
+         "whose keys to equal (vLLM seeds its first block's parent with it)")  # fmt: skip
+    _add(prefix, "--kv-events-buffer", 4096, "event batches (one per step that changed the cache) kept for replay: "
+         "a watcher that falls further behind gets a snapshot instead; also the ZMQ replay buffer",
+         _integer(1, "batches"))  # fmt: skip
+    _add(prefix, "--kv-events-zmq", None, "also publish the events in vLLM's KV-event format (msgpack batches "
+         "of BlockStored, BlockRemoved, AllBlocksCleared) on this ZMQ PUB endpoint, e.g. tcp://*:5557, so routers "
+         "that read vLLM's events (llm-d, Dynamo) need no change; needs pip install 'kvmem[events]'")  # fmt: skip
+    _add(prefix, "--kv-events-replay", None, "with --kv-events-zmq: the ZMQ ROUTER endpoint that replays "
+         "buffered batches from a sequence number, e.g. tcp://*:5558")  # fmt: skip
+    _add(prefix, "--kv-events-topic", None, "with --kv-events-zmq: the topic of the published messages (the "
+         "first frame of each; none: empty, which every subscriber receives)")  # fmt: skip
 
 
 def _add_client_commands(sub: Any) -> None:
@@ -315,12 +351,6 @@ def _add_client_commands(sub: Any) -> None:
         else:
             p.add_argument("--json", action="store_true", help="print JSON instead of a table")
             p.add_argument("--audit", action="store_true", help="also run the full pool audit (O(pool))")
-
-
-def _target(args: argparse.Namespace) -> str:
-    if args.tcp:
-        return args.tcp
-    return f"unix:{args.socket}"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -355,6 +385,13 @@ def _serve(args: argparse.Namespace) -> int:
         rope_dim=args.rope_dim,
         dtype=args.dtype,
         audit_every_step=args.debug_audit,
+        prefix_cache=not args.no_prefix_cache,
+        prefix_hash=args.prefix_hash,
+        prefix_hash_seed=args.prefix_hash_seed,
+        kv_events_buffer=args.kv_events_buffer,
+        kv_events_zmq=args.kv_events_zmq,
+        kv_events_replay=args.kv_events_replay,
+        kv_events_topic=args.kv_events_topic or "",
     )
     code = serve(config)
     # The server has stopped and freed everything; the interpreter's own teardown (torch's
@@ -364,64 +401,6 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _health(args: argparse.Namespace) -> int:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(_target(args)) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
-        except grpc.RpcError as err:
-            print(f"kvmem health: {_target(args)}: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    what = "readiness" if args.service else "liveness"
-    print(f"{what} ({args.service or '<server>'}): {status}")
-    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-def _stats(args: argparse.Namespace) -> int:
-    from kvmem.client.admin import stats
-    from kvmem.client.errors import KVMemError
-
-    try:
-        s = stats(_target(args), audit=args.audit, timeout=args.timeout, auth_token=args.auth_token)
-    except KVMemError as err:
-        print(f"kvmem stats: {_target(args)}: {err}", file=sys.stderr)
-        return 1
-    from google.protobuf import json_format
-
-    if args.json:
-        print(json.dumps(json_format.MessageToDict(s, always_print_fields_with_no_presence=True), indent=2))
-        return 0
-    g = s.geometry
-    used = s.num_used_pages
-    total = max(s.num_pages_total, 1)
-    lines = [
-        f"epoch {s.epoch}   uptime {s.uptime_ms / 1000:.1f}s   steps {s.num_steps}   memory {s.memory_backend}",
-        f"pool  {s.num_pages_total} pages x {g.page_size} tokens; max {g.max_requests} requests, "
-        f"{g.max_context_len} tokens each",
-        f"pages used {used} ({100 * used / total:.1f}%)   cached {s.num_cached_pages}   free {s.num_free_pages}"
-        f"   quarantined {s.num_quarantined_pages} (of {s.num_quarantined_sessions} lapsed sessions)",
-        f"request slots open {s.num_open_requests}   free {s.num_free_request_slots}",
-    ]
-    if s.audit.ran:
-        lines.append("audit OK" if s.audit.ok else "audit FAILED: " + "; ".join(s.audit.problems))
-    lines.append("")
-    lines.append(f"{'#':>4}  {'session':<24} {'requests':>8} {'pages':>8} {'quota':>8} {'idle':>8}")
-    for u in s.sessions:
-        quota = str(u.quota_pages) if u.HasField("quota_pages") else "-"
-        lines.append(
-            f"{u.index:>4}  {u.name[:24]:<24} {u.num_requests:>8} {u.num_pages_held:>8} {quota:>8} "
-            f"{u.idle_ms / 1000:>7.1f}s"
-        )
-    if not s.sessions:
-        lines.append("      (no sessions)")
-    print("\n".join(lines))
-    return 0 if (not s.audit.ran or s.audit.ok) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -435,7 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     logging.Formatter.converter = time.gmtime
-    handler = {"serve": _serve, "health": _health, "stats": _stats}[args.command]
+    from kvmem.server.cli_client import health, stats
+
+    handler = {"serve": _serve, "health": health, "stats": stats}[args.command]
     try:
         return handler(args)
     except BrokenPipeError:  # `kvmem stats | head`: the reader left; not an error of ours

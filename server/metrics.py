@@ -4,7 +4,10 @@ A scrape of ``GET /metrics`` shows (names under ``kvmem_``):
 
 - the pool: pages by state, usable pages, request slots by state, the geometry;
 - the sessions: how many, and per session (its name and server index, never its id)
-  the requests and pages it holds and its quota;
+  the requests and pages it holds, its quota, and its prefix-cache query and hit
+  tokens and evictions;
+- the prefix cache: whether it is on (and its key recipe), cache entries, and totals of
+  query and hit tokens (hit rate = hit / query), pages inserted and pages evicted;
 - totals since start: steps, pages allocated and released, alloc items by status
   (``OUT_OF_PAGES`` is memory pressure), sessions ended and why;
 - per RPC method: calls by gRPC code, errors by kvmem reason, and a histogram of the
@@ -124,6 +127,16 @@ class KVMemCollector(Collector):
         slots.add_metric(["free"], pool.num_free_request_slots)
         yield slots
         yield GaugeMetricFamily("kvmem_sessions", "Attached sessions (scheduler workers).", len(stats.sessions))
+        prefix = GaugeMetricFamily(
+            "kvmem_prefix_cache_enabled", "1 when the prefix cache is on; its page-key recipe.", labels=["hash"]
+        )
+        prefix.add_metric([stats.prefix_hash], int(stats.prefix_cache_enabled))
+        yield prefix
+        yield GaugeMetricFamily(
+            "kvmem_prefix_cache_entries",
+            'Pages with a key in the prefix cache, held by requests or not (kvmem_pages{state="cached"}: not).',
+            pool.num_cache_entries,
+        )
 
     def _per_session(self, stats: ServerStats) -> Iterator[Metric]:
         labels = ["session", "index"]
@@ -132,6 +145,17 @@ class KVMemCollector(Collector):
         quota = GaugeMetricFamily(
             "kvmem_session_quota_pages", "A session's page quota (sessions with one).", labels=labels
         )
+        query = CounterMetricFamily(
+            "kvmem_session_prefix_query_tokens", "Tokens a session's match items asked the prefix cache for.",
+            labels=labels,
+        )  # fmt: skip
+        hit = CounterMetricFamily(
+            "kvmem_session_prefix_hit_tokens", "Tokens a session's match items found in the prefix cache.",
+            labels=labels,
+        )  # fmt: skip
+        evicted = CounterMetricFamily(
+            "kvmem_session_prefix_evictions", "Cached pages a session's allocs evicted.", labels=labels
+        )
         for row in stats.sessions:
             session = row.session
             key = [session.name, str(session.owner)]
@@ -139,9 +163,10 @@ class KVMemCollector(Collector):
             reqs.add_metric(key, row.num_requests)
             if session.quota_pages is not None:
                 quota.add_metric(key, session.quota_pages)
-        yield held
-        yield reqs
-        yield quota
+            query.add_metric(key, row.prefix_query_tokens)
+            hit.add_metric(key, row.prefix_hit_tokens)
+            evicted.add_metric(key, row.num_evictions)
+        yield from (held, reqs, quota, query, hit, evicted)
 
     def _totals(self, stats: ServerStats) -> Iterator[Metric]:
         sessions = self.sessions
@@ -157,6 +182,21 @@ class KVMemCollector(Collector):
         for status in AllocStatus:
             items.add_metric([status.name], sessions.alloc_items[status])
         yield items
+        pool = stats.pool
+        yield CounterMetricFamily(
+            "kvmem_prefix_query_tokens", "Tokens match items asked the prefix cache for.", pool.prefix_query_tokens
+        )
+        yield CounterMetricFamily(
+            "kvmem_prefix_hit_tokens",
+            "Tokens match items found in the prefix cache (hit rate: this / kvmem_prefix_query_tokens).",
+            pool.prefix_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "kvmem_prefix_pages_cached", "Pages steps inserted into the prefix cache.", sessions.num_pages_cached
+        )
+        yield CounterMetricFamily(
+            "kvmem_prefix_evictions", "Cached pages evicted (least recently used first) for allocs.", pool.num_evictions
+        )
         ended = CounterMetricFamily("kvmem_sessions_ended", "Sessions ended, by why.", labels=["why"])
         for why, n in sorted(sessions.sessions_ended.items()):
             ended.add_metric([why], n)

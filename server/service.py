@@ -1,143 +1,37 @@
 """The gRPC servicer: parse the proto, call the sessions layer, map the result. Nothing else.
 
-Errors are mapped in one place, :func:`_to_status`: a :class:`KVMemError`'s kind picks
-the gRPC status code, its message (which names the offending value) becomes the status
-message, and its reason travels as a ``google.rpc.ErrorInfo`` detail, so a client can
-tell "no free request slot" from gRPC's own RESOURCE_EXHAUSTED.
+The conversions are :mod:`kvmem.server.wire`'s. Errors are mapped in one place,
+:func:`~kvmem.server.wire.to_status`: a :class:`KVMemError`'s kind picks the gRPC status
+code, its message (which names the offending value) becomes the status message, and its
+reason travels as a ``google.rpc.ErrorInfo`` detail, so a client can tell "no free
+request slot" from gRPC's own RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import numpy as np
-from google.protobuf import any_pb2
-from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
 
-from kvmem.server.core import CoreConfig, StepBatch
-from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
-from kvmem.server.memory import HandleInfo, KVGeometry
+from kvmem.server.errors import CorruptionError, KVMemError, Reason
 from kvmem.server.metrics import RpcStats
 from kvmem.server.refusals import RefusalLog
 from kvmem.server.sessions import Sessions
+from kvmem.server.wire import STATUS_CODE, Malformed, deserializer, stats_response, step_batch, step_response
+from kvmem.server.wire import geometry_to_proto as geometry_to_proto  # re-exported: the service's vocabulary
+from kvmem.server.wire import handle_to_proto as handle_to_proto
+from kvmem.server.wire import to_status as _to_status
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
+if TYPE_CHECKING:
+    from kvmem.server.kv_events import EventLog
+
 log = logging.getLogger("kvmem.service")
-
-ERROR_DOMAIN = "kvmem.v1"
-_STATUS_CODE = {
-    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
-_REASON_PREFIX = "ERROR_REASON_"
-# Each Reason's ErrorInfo.reason: the name of its value in the proto's ErrorReason, less
-# the prefix. Looked up here, at import, so a reason the proto does not list stops the
-# server from starting (ValueError) instead of reaching a client as a name it cannot read.
-_WIRE_REASON = {
-    reason: kvmem_pb2.ErrorReason.Name(kvmem_pb2.ErrorReason.Value(_REASON_PREFIX + reason.name))[len(_REASON_PREFIX) :]
-    for reason in Reason
-}
-
-
-def _to_status(err: KVMemError) -> grpc.Status:
-    """The status of a refused call: the kind's code, the message, and the reason (a
-    name of the proto's ErrorReason) with the offending values as an ErrorInfo."""
-    info = error_details_pb2.ErrorInfo(reason=_WIRE_REASON[err.reason], domain=ERROR_DOMAIN, metadata=err.metadata)
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    code = _STATUS_CODE[err.kind]
-    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=err.message, details=[detail]))
-
-
-_FORMAT = {"mha": kvmem_pb2.KV_FORMAT_MHA, "mla": kvmem_pb2.KV_FORMAT_MLA}
-
-
-def layout_to_proto(g: KVGeometry) -> kvmem_pb2.KVLayout:
-    return kvmem_pb2.KVLayout(
-        format=_FORMAT[g.format],
-        num_layers=g.num_layers,
-        num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim,
-        kv_lora_rank=g.kv_lora_rank,
-        rope_dim=g.rope_dim,
-        dtype=g.dtype,
-        bytes_per_token=g.bytes_per_token,
-    )
-
-
-def geometry_to_proto(core: CoreConfig, kv: KVGeometry | None) -> kvmem_pb2.PoolGeometry:
-    """The pool geometry Attach and Stats report; ``kv`` is None without KV memory."""
-    msg = kvmem_pb2.PoolGeometry(
-        num_pages=core.num_pages,
-        page_size=core.page_size,
-        max_requests=core.max_requests,
-        max_context_len=core.max_context_len,
-        max_pages_per_request=core.max_pages_per_request,
-    )
-    if kv is not None:
-        msg.layout.CopyFrom(layout_to_proto(kv))
-    return msg
-
-
-def handle_to_proto(h: HandleInfo) -> kvmem_pb2.MemoryHandle:
-    """A backend's handle as the explicit proto fields (no pickle on the wire)."""
-    msg = kvmem_pb2.MemoryHandle(name=h.name, rank=h.rank, dtype=h.dtype, shape=list(h.shape), size_bytes=h.size_bytes)
-    if h.cuda is not None:
-        msg.cuda.CopyFrom(kvmem_pb2.CudaIpcHandle(**dataclasses.asdict(h.cuda)))
-    else:
-        msg.shm.path = h.shm_path or ""
-    return msg
-
-
-class Malformed:
-    """What a handler receives instead of a request whose body does not parse: gRPC
-    would otherwise fail the call inside its own code (UNKNOWN, and a traceback in the
-    log per call). The handler refuses it as INVALID_ARGUMENT (:meth:`error`)."""
-
-    __slots__ = ("problem", "size", "type_name")
-
-    def __init__(self, type_name: str, size: int, problem: str) -> None:
-        self.type_name = type_name
-        self.size = size
-        self.problem = problem
-
-    def error(self, method: str) -> KVMemError:
-        return KVMemError(
-            Reason.BAD_VALUE,
-            f"{method}: the request body ({self.size} bytes) is not a valid {self.type_name}: {self.problem}",
-            size=self.size,
-        )
-
-
-def _deserializer(cls: Any) -> Callable[[bytes], Any]:
-    """``cls.FromString``, returning a :class:`Malformed` instead of raising."""
-    parse, type_name = cls.FromString, cls.DESCRIPTOR.full_name
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except DecodeError as exc:  # "Error parsing message with type '...': Wire format was corrupt"
-            return Malformed(type_name, len(data), str(exc).rpartition("': ")[2] or "it does not parse")
-        except Exception as exc:  # any other failure of the parser: still the caller's bytes
-            return Malformed(type_name, len(data), f"{type(exc).__name__}: {exc}")
-
-    return deserialize
-
 
 _HANDLER_KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -160,7 +54,7 @@ def add_to_server(service: KVMemoryService, server: grpc.aio.Server) -> None:
         make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             getattr(service, method.name),
-            request_deserializer=_deserializer(request_cls),
+            request_deserializer=deserializer(request_cls),
             response_serializer=response_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
@@ -195,7 +89,7 @@ def _unary(
                 raise request.error(name)
             return method(self, request, context)
         except KVMemError as err:
-            code, reason = _STATUS_CODE[err.kind].name, err.reason.name
+            code, reason = STATUS_CODE[err.kind].name, err.reason.name
             self._refused(context, name, err)
             await context.abort_with_status(_to_status(err))
             raise AssertionError("abort_with_status returned") from err  # it always raises
@@ -207,29 +101,6 @@ def _unary(
                 stats.record(name, code, reason, time.perf_counter() - started)
 
     return wrapper
-
-
-def _array(field: Any) -> np.ndarray:
-    """A packed repeated int field as an int64 array, without a Python loop. Up to 128
-    items ``np.fromiter`` (which walks the field in C) costs half of protobuf's numpy
-    conversion on a server whose caches are cold between calls; beyond, the conversion
-    wins (measured in the server: 20 vs 40 µs for two 32-item fields, 45 vs 50 µs for
-    two of 256)."""
-    n = len(field)
-    if not n:
-        return _EMPTY
-    return np.fromiter(field, np.int64, n) if n <= 128 else np.array(field, dtype=np.int64)
-
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-
-
-def _le_bytes(a: np.ndarray) -> bytes:
-    """An int32 array as the little-endian bytes the proto promises."""
-    return a.tobytes() if _LITTLE_ENDIAN else a.astype("<i4").tobytes()
-
-
-_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
@@ -245,6 +116,7 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         self.stopping = asyncio.Event()
         self.rpc_stats: RpcStats | None = None  # set by the server when it serves metrics
         self.refusals = RefusalLog()  # flushed by the server at shutdown
+        self._events: EventLog | None = None  # the prefix cache's events, for WatchEvents
 
     def ready(
         self,
@@ -252,11 +124,13 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         geometry: kvmem_pb2.PoolGeometry,
         memory_handles: list[kvmem_pb2.MemoryHandle],
         memory_backend: str,
+        events: EventLog | None = None,
     ) -> None:
         """The pool exists: serve it. Before this every call is refused as NOT_READY."""
         self.geometry = geometry
         self.memory_handles = memory_handles
         self.memory_backend = memory_backend
+        self._events = events
         self._sessions = sessions
 
     @property
@@ -297,13 +171,18 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
     @_unary
     def Attach(self, request: kvmem_pb2.AttachRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.AttachResponse:
         quota = request.quota_pages if request.HasField("quota_pages") else None
-        session = self.sessions.attach(request.name, quota)
+        sessions = self.sessions
+        session = sessions.attach(request.name, quota, request.cache_namespace)
+        core = sessions.core
         return kvmem_pb2.AttachResponse(
-            epoch=self.sessions.epoch,
+            epoch=sessions.epoch,
             session_id=session.session_id,
-            lease_ms=int(self.sessions.lease_s * 1000),
+            lease_ms=int(sessions.lease_s * 1000),
             geometry=self.geometry,
             memory=self.memory_handles,
+            prefix_cache=kvmem_pb2.PrefixCacheInfo(
+                enabled=core.prefix_enabled, hash=core.page_keys.name, cache_namespace=session.cache_namespace
+            ),
         )
 
     @_unary
@@ -319,68 +198,46 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
 
     @_unary
     def Step(self, request: kvmem_pb2.StepRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StepResponse:
-        expected = request.alloc_expected_lens
-        batch = StepBatch(
-            _array(request.release_slots),
-            _array(request.truncate_slots),
-            _array(request.truncate_lens),
-            _array(request.alloc_slots),
-            _array(request.alloc_needs),
-            _array(expected) if len(expected) else None,
-            request.atomic,
-        )
+        batch = step_batch(request)
         sessions = self.sessions  # a property (NOT_READY before the pool exists): read once
         result = sessions.step(request.session_id, batch)
-        return kvmem_pb2.StepResponse(
-            epoch=sessions.epoch,
-            alloc_status=result.alloc_status.tobytes(),
-            kv_loc=_le_bytes(result.kv_loc),
-            kv_loc_offsets=_le_bytes(result.kv_loc_offsets),
-            new_pages=_le_bytes(result.new_pages),
-            new_page_offsets=_le_bytes(result.new_page_offsets),
-            num_pages_released=result.num_pages_released,
-            num_free_pages=sessions.core.pool.num_free,
-        )
+        return step_response(batch, result, sessions.epoch, sessions.core.pool.num_free)
 
     @_unary
     def Stats(self, request: kvmem_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StatsResponse:
-        stats = self.sessions.stats(audit=request.audit)
-        pool = stats.pool
-        now_sessions = []
-        now = time.monotonic()
-        for row in stats.sessions:
-            session = row.session
-            usage = kvmem_pb2.SessionUsage(
-                name=session.name,
-                index=session.owner,
-                num_requests=row.num_requests,
-                num_pages_held=row.num_pages_held,
-                idle_ms=int((now - session.last_seen) * 1000),
+        sessions = self.sessions
+        stats = sessions.stats(audit=request.audit)
+        return stats_response(stats, sessions.epoch, self.geometry, self.memory_backend, len(sessions.quarantined))
+
+    async def WatchEvents(
+        self, request: kvmem_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvmem_pb2.KVEventBatch]:
+        """The prefix cache's events from ``request.from_seq`` on, then live, until the
+        watcher leaves or the server stops (the stream then ends with UNAVAILABLE,
+        SHUTTING_DOWN, so a router knows to reconnect to the next run). Needs no
+        session: the caller's token, where the server asks for one, is all it checks."""
+        try:
+            self._admit(context)
+            if isinstance(request, Malformed):
+                raise request.error("WatchEvents")
+            events = self._events
+            if events is None:
+                _ = self.sessions  # NOT_READY until the pool (and with it the event log) exists
+                raise KVMemError(Reason.NOT_READY, "this server keeps no event log")
+        except KVMemError as err:
+            self._refused(context, "WatchEvents", err)
+            await context.abort_with_status(_to_status(err))
+            raise AssertionError("abort_with_status returned") from err  # it always raises
+        try:
+            async for batch in events.watch(request, context):
+                yield batch
+        except KVMemError as err:
+            self._refused(context, "WatchEvents", err)
+            await context.abort_with_status(_to_status(err))
+        if self.stopping.is_set():
+            await context.abort_with_status(
+                _to_status(KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: the event stream ended"))
             )
-            if session.quota_pages is not None:
-                usage.quota_pages = session.quota_pages
-            now_sessions.append(usage)
-        audit = kvmem_pb2.AuditResult(ran=stats.audit is not None)
-        if stats.audit is not None:
-            audit.ok = stats.audit.ok
-            audit.problems.extend(stats.audit.problems)
-        return kvmem_pb2.StatsResponse(
-            epoch=self.sessions.epoch,
-            geometry=self.geometry,
-            num_pages_total=pool.num_pages_total,
-            num_free_pages=pool.num_free_pages,
-            num_cached_pages=pool.num_cached_pages,
-            num_used_pages=pool.num_used_pages,
-            num_quarantined_pages=pool.num_quarantined_pages,
-            num_quarantined_sessions=len(self.sessions.quarantined),
-            num_free_request_slots=pool.num_free_request_slots,
-            num_open_requests=pool.num_open_requests,
-            sessions=now_sessions,
-            audit=audit,
-            num_steps=stats.num_steps,
-            memory_backend=self.memory_backend,
-            uptime_ms=int(stats.uptime_s * 1000),
-        )
 
     async def KeepAlive(
         self, request_iterator: AsyncIterator[kvmem_pb2.KeepAliveRequest], context: grpc.aio.ServicerContext

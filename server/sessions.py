@@ -14,17 +14,20 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from kvmem.server.core import AllocStatus, AuditReport, CoreConfig, KVCore, OwnerId, PoolStats, StepBatch, StepResult
+from kvmem.server.core.events import CacheEvent
+from kvmem.server.core.hashing import PageKeys
 from kvmem.server.errors import KVMemError, Reason
 
 log = logging.getLogger("kvmem.sessions")
 
 MAX_NAME_CHARS = 256
+MAX_NAMESPACE_CHARS = 256  # a prefix-cache namespace (AttachRequest.cache_namespace)
 DEFAULT_MAX_SESSIONS = 1024  # sessions attached at once (`kvmem serve --max-sessions`)
 QUARANTINE_LEASES = 6  # the default quarantine, in leases
 
@@ -43,13 +46,16 @@ class BlockTableSink(Protocol):
 class Session:
     """One attached client. ``last_seen`` (monotonic seconds) is refreshed by every
     call and keep-alive message; the session ends when it is older than the lease.
-    ``owner`` is its index in the core, shown in Stats (never the id)."""
+    ``owner`` is its index in the core, shown in Stats (never the id).
+    ``cache_namespace``: the prefix-cache namespace it shares pages in ("" = the shared
+    default), fixed at Attach; the core keeps the same for its owner."""
 
     session_id: str
     name: str
     owner: OwnerId
     quota_pages: int | None
     last_seen: float
+    cache_namespace: str = ""
 
 
 @dataclasses.dataclass(slots=True)
@@ -69,6 +75,9 @@ class SessionUsage:
     session: Session
     num_requests: int
     num_pages_held: int
+    prefix_query_tokens: int = 0  # tokens its match items asked for
+    prefix_hit_tokens: int = 0  # tokens they matched
+    num_evictions: int = 0  # cached pages its allocs evicted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +87,8 @@ class ServerStats:
     audit: AuditReport | None
     num_steps: int
     uptime_s: float
+    prefix_cache_enabled: bool = False
+    prefix_hash: str = ""  # the page-key recipe's name
 
 
 class Sessions:
@@ -92,7 +103,12 @@ class Sessions:
         audit_every_step: bool = False,
         quarantine_s: float | None = None,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
+        prefix_cache: bool = True,
+        page_keys: PageKeys | None = None,
+        event_sink: Callable[[list[CacheEvent]], None] | None = None,
     ) -> None:
+        """``prefix_cache``, ``page_keys`` (None: the core's default recipe) and
+        ``event_sink`` (called with each mutating call's cache events) go to the core."""
         if lease_s <= 0:
             raise ValueError(f"lease must be > 0 seconds, got {lease_s}")
         if max_sessions < 1:
@@ -107,7 +123,14 @@ class Sessions:
         self.quarantined: dict[str, Quarantine] = {}  # by session id
         self._sync_memory = memory if memory is not None and memory.syncs_rows else None
         table = None if memory is None else memory.block_table
-        self.core = KVCore(config, table, audit_every_step=audit_every_step)
+        self.core = KVCore(
+            config,
+            table,
+            audit_every_step=audit_every_step,
+            prefix_cache=prefix_cache,
+            page_keys=page_keys,
+            event_sink=event_sink,
+        )
         self.by_id: dict[str, Session] = {}
         self._started = time.monotonic()
         # Totals since start, for metrics: integer additions on the hot path.
@@ -115,14 +138,16 @@ class Sessions:
         self.num_pages_allocated = 0
         self.num_pages_released = 0
         self.alloc_items = [0] * len(AllocStatus)  # by AllocStatus value
+        self.num_pages_cached = 0  # pages steps inserted into the prefix cache
         self.sessions_ended: dict[str, int] = {}  # by why
         self.accepting = True  # False once shutdown starts: no new sessions
 
     # ---------------------------------------------------------------- sessions
 
-    def attach(self, name: str, quota_pages: int | None) -> Session:
-        """Start a session. O(1) (plus the core's O(max_requests) numpy, once).
-        RESOURCE_EXHAUSTED (TOO_MANY_SESSIONS) when ``max_sessions`` are attached."""
+    def attach(self, name: str, quota_pages: int | None, cache_namespace: str = "") -> Session:
+        """Start a session, sharing cached pages with the sessions of ``cache_namespace``.
+        O(1) (plus the core's O(max_requests) numpy, once). RESOURCE_EXHAUSTED
+        (TOO_MANY_SESSIONS) when ``max_sessions`` are attached."""
         if not self.accepting:
             raise KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: no new sessions")
         if len(self.by_id) >= self.max_sessions:
@@ -135,14 +160,26 @@ class Sessions:
             )
         if len(name) > MAX_NAME_CHARS:
             raise KVMemError(Reason.BAD_VALUE, f"session name is {len(name)} characters, at most {MAX_NAME_CHARS}")
+        if len(cache_namespace) > MAX_NAMESPACE_CHARS:
+            raise KVMemError(
+                Reason.BAD_VALUE,
+                f"cache_namespace is {len(cache_namespace)} characters, at most {MAX_NAMESPACE_CHARS}",
+                length=len(cache_namespace),
+                limit=MAX_NAMESPACE_CHARS,
+            )
         if quota_pages is not None and (not isinstance(quota_pages, int) or quota_pages < 0):
             raise KVMemError(Reason.BAD_VALUE, f"quota_pages must be an integer >= 0, got {quota_pages!r}")
         if quota_pages is not None and quota_pages > self.core.config.num_pages:
             quota_pages = self.core.config.num_pages  # a quota above the pool is no quota
-        owner = self.core.add_owner()
-        session = Session(secrets.token_urlsafe(24), name or f"session-{owner}", owner, quota_pages, time.monotonic())
+        owner = self.core.add_owner(cache_namespace)
+        session = Session(
+            secrets.token_urlsafe(24), name or f"session-{owner}", owner, quota_pages, time.monotonic(), cache_namespace
+        )
         self.by_id[session.session_id] = session
-        log.info("session attached name=%s index=%d quota_pages=%s", session.name, owner, quota_pages)
+        log.info(
+            "session attached name=%s index=%d quota_pages=%s cache_namespace=%r",
+            session.name, owner, quota_pages, cache_namespace,
+        )  # fmt: skip
         return session
 
     def session(self, session_id: str) -> Session:
@@ -226,6 +263,7 @@ class Sessions:
         self.num_pages_released += result.num_pages_released
         refused = result.num_refused
         self.alloc_items[AllocStatus.OK] += result.alloc_status.size - refused
+        self.num_pages_cached += result.num_pages_cached
         if refused:  # the core counted them: no array operation for metrics on a step that fits
             for value, n in enumerate(np.bincount(result.alloc_status, minlength=len(AllocStatus)).tolist()[1:], 1):
                 self.alloc_items[value] += n
@@ -234,22 +272,32 @@ class Sessions:
         return result
 
     def _sync_changed_rows(self, batch: StepBatch, result: StepResult) -> None:
-        """Rows that changed: released and truncated ones, and allocs that took pages
-        (a decode step mostly fills tails: few rows change)."""
+        """Rows that changed: released and truncated ones, allocs that took pages (a
+        decode step mostly fills tails: few rows change), and the rows matches and cache
+        items rewrote (``changed_rows``)."""
         al = batch.alloc_slots
         grew = al[np.diff(result.new_page_offsets) > 0] if result.new_pages.size else al[:0]
-        changed = [a for a in (batch.release_slots, batch.truncate_slots, grew) if a.size]
+        changed = [a for a in (batch.release_slots, batch.truncate_slots, grew, result.changed_rows) if a.size]
         if changed and self._sync_memory is not None:
             self._sync_memory.sync_rows(np.concatenate(changed) if len(changed) > 1 else changed[0])
 
     def stats(self, audit: bool) -> ServerStats:
-        pool = self.core.stats()
+        core = self.core
+        pool = core.stats()
         usage = {o.owner: o for o in pool.owners}
-        rows = tuple(
-            SessionUsage(s, usage[s.owner].num_requests, usage[s.owner].num_pages_held) for s in self.by_id.values()
+        rows = []
+        for s in self.by_id.values():
+            u = usage[s.owner]
+            rows.append(
+                SessionUsage(
+                    s, u.num_requests, u.num_pages_held, u.prefix_query_tokens, u.prefix_hit_tokens, u.num_evictions
+                )
+            )
+        audit_report = core.audit() if audit else None
+        uptime = time.monotonic() - self._started
+        return ServerStats(
+            pool, tuple(rows), audit_report, self.num_steps, uptime, core.prefix_enabled, core.page_keys.name
         )
-        audit_report = self.core.audit() if audit else None
-        return ServerStats(pool, rows, audit_report, self.num_steps, time.monotonic() - self._started)
 
 
 def _redact(session_id: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -15,6 +16,7 @@ import socket
 import stat
 
 from kvmem.server.core import CoreConfig
+from kvmem.server.core.hashing import PageKeys, make_keys
 from kvmem.server.memory import (
     CudaBackend,
     GeometryError,
@@ -70,6 +72,14 @@ class ServerConfig:
     rope_dim: int = 64
     dtype: str = "bfloat16"
     audit_every_step: bool = False  # the full audit after every step (tests, debugging)
+    # The prefix cache and its events.
+    prefix_cache: bool = True
+    prefix_hash: str = "xxh3-128"  # the page-key recipe (kvmem.server.core.hashing.RECIPES)
+    prefix_hash_seed: str | None = None  # vllm-sha256-cbor only: vLLM's PYTHONHASHSEED
+    kv_events_buffer: int = 4096  # event batches kept for replay (WatchEvents, and the ZMQ replay socket)
+    kv_events_zmq: str | None = None  # a ZMQ endpoint to publish vLLM-format KV events on; None: off
+    kv_events_replay: str | None = None  # the ZMQ ROUTER endpoint that replays them; None: off
+    kv_events_topic: str = ""  # the ZMQ topic of the published events
 
     def geometry(self) -> KVGeometry:
         return KVGeometry(
@@ -218,10 +228,45 @@ def _probe_listen(option: str, address: str, host: str, port: int, *, every: boo
         raise StartupError(f"{option} {address}: cannot listen ({errors[0]})")
 
 
-def check_config(cfg: ServerConfig) -> tuple[CoreConfig, PoolSpec, tuple[int, ...], tuple[str, int] | None]:
+def plan_prefix(cfg: ServerConfig) -> PageKeys:
+    """The prefix cache's page-key recipe, and the KV-event options checked: a StartupError
+    names the option and its value."""
+    try:
+        keys = make_keys(cfg.prefix_hash, cfg.prefix_hash_seed)
+    except ValueError as exc:
+        option = "--prefix-hash-seed" if cfg.prefix_hash_seed is not None else "--prefix-hash"
+        raise StartupError(f"{option}: {exc}") from None
+    if cfg.kv_events_buffer < 1:
+        raise StartupError(f"--kv-events-buffer must be >= 1, got {cfg.kv_events_buffer}")
+    if cfg.kv_events_replay is not None and cfg.kv_events_zmq is None:
+        raise StartupError(f"--kv-events-replay {cfg.kv_events_replay} needs --kv-events-zmq (the events it replays)")
+    for option, endpoint in (("--kv-events-zmq", cfg.kv_events_zmq), ("--kv-events-replay", cfg.kv_events_replay)):
+        if endpoint is not None and "://" not in endpoint:
+            raise StartupError(f"{option} must be a ZMQ endpoint such as tcp://*:5557, got {endpoint!r}")
+    if cfg.kv_events_zmq is not None:
+        missing = [pip for module, pip in (("zmq", "pyzmq"), ("msgspec", "msgspec")) if not _importable(module)]
+        if missing:
+            raise StartupError(
+                f"--kv-events-zmq {cfg.kv_events_zmq} needs pyzmq and msgspec ({' and '.join(missing)} not "
+                "installed): pip install 'kvmem[events]'"
+            )
+    return keys
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` is installed (found without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_config(
+    cfg: ServerConfig,
+) -> tuple[CoreConfig, PoolSpec, tuple[int, ...], tuple[str, int] | None, PageKeys]:
     """Every check that needs nothing created, before anything is: a refusal here leaves
     nothing behind (at most a dead server's socket is removed). Returns the planned pool,
-    its GPUs and the metrics address."""
+    its GPUs, the metrics address and the prefix cache's page-key recipe."""
     if cfg.socket_path is None and cfg.tcp is None:
         raise StartupError("nothing to listen on: give --socket PATH and/or --tcp HOST:PORT")
     if cfg.lease_s <= 0:
@@ -239,6 +284,7 @@ def check_config(cfg: ServerConfig) -> tuple[CoreConfig, PoolSpec, tuple[int, ..
     if cfg.tcp is not None:
         _check_tcp(cfg.tcp, cfg.auth_token)
     metrics_at = None if cfg.metrics is None else _host_port("--metrics", cfg.metrics)
+    page_keys = plan_prefix(cfg)
     core_cfg, pool, devices = _plan_pool(cfg)
     if cfg.device == "cpu" and not devices:
         if not os.path.isdir(cfg.shm_dir):
@@ -251,7 +297,7 @@ def check_config(cfg: ServerConfig) -> tuple[CoreConfig, PoolSpec, tuple[int, ..
         _probe_listen("--tcp", cfg.tcp, *_host_port("--tcp", cfg.tcp), every=False)
     if cfg.metrics is not None and metrics_at is not None:
         _probe_listen("--metrics", cfg.metrics, *metrics_at, every=True)
-    return core_cfg, pool, devices, metrics_at
+    return core_cfg, pool, devices, metrics_at, page_keys
 
 
 def grpc_reason(exc: RuntimeError) -> str:

@@ -60,3 +60,18 @@ def test_rpc_bench_runs_and_checks_hold() -> None:
     for row in rows.values():
         assert row["result"] in ("PASS", "MISS", "SKIP"), row
     assert rows["clients_vs_echo"]["ratio"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_prefix_bench_runs_and_checks_hold() -> None:
+    # --quick: a 2,000-page cache, 2 reps, a server for the socket row; its checks (full
+    # matches, rows = the cached chains, 16 evictions per Step, audits, the page counts of
+    # two schedulers sharing a prompt) exit 2 when they fail.
+    report = run_bench("prefix_bench.py", "--quick", timeout=110)
+    rows = {r["scenario"]: r for r in report["scenarios"]}
+    assert {"match", "match_socket", "decode_cache_on", "decode_evict", "sharing"} <= set(rows)
+    for key in ("match", "decode_cache_on", "decode_evict", "sharing"):
+        assert rows[key]["result"] in ("PASS", "MISS"), rows[key]
+        assert rows[key]["ratio"] > 0, rows[key]
+    assert rows["match_socket"]["ratio"] > 0, rows["match_socket"]
+    assert report["sharing"]["prompt_copies"] == {"shared": 1.0, "alone": 64.0}

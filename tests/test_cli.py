@@ -51,6 +51,12 @@ SERVE_OPTIONS = {
     "--drain-ms": "1000",
     "--shutdown-grace-ms": "500",
     "--start-timeout-ms": "120000",
+    "--prefix-hash": "xxh3-128",
+    "--prefix-hash-seed": "none",
+    "--kv-events-buffer": "4096",
+    "--kv-events-zmq": "none",
+    "--kv-events-replay": "none",
+    "--kv-events-topic": "none",
     "--log-level": "info",
 }
 
@@ -107,10 +113,14 @@ def test_serve_help_names_every_option_with_its_default_and_env_var() -> None:
     run = kvmem("serve", "--help")
     assert run.returncode == 0, run.stderr
     entries = option_entries(run.stdout)
-    assert set(entries) == {"-h", "--debug-audit", *SERVE_OPTIONS}, sorted(entries)
+    assert set(entries) == {"-h", "--debug-audit", "--no-prefix-cache", *SERVE_OPTIONS}, sorted(entries)
     for flag, default in SERVE_OPTIONS.items():
         assert f"(default: {default}; env {env_name(flag)})" in entries[flag], entries[flag]
     assert "(default: off; env KVMEM_DEBUG)" in entries["--debug-audit"], entries["--debug-audit"]
+    assert "(default: the cache is on; env KVMEM_NO_PREFIX_CACHE)" in entries["--no-prefix-cache"]
+    for words in (("xxh3-128", "vllm-sha256-cbor"), ("PYTHONHASHSEED",), ("kvmem[events]", "tcp://")):
+        flag = {"xxh3-128": "--prefix-hash", "PYTHONHASHSEED": "--prefix-hash-seed"}.get(words[0], "--kv-events-zmq")
+        assert all(word in entries[flag] for word in words), entries[flag]
     assert "KVMEM_" in run.stdout.split("options:")[0]  # the description says env vars exist
 
 
@@ -148,8 +158,11 @@ def test_health_exits_0_when_serving_and_1_with_a_reason_when_not(server: Server
 
 
 def test_stats_prints_a_table_and_json(server: ServerProcess) -> None:
-    with KVMemClient(server.target, name="cli-worker", quota_pages=40) as kv:
+    with KVMemClient(server.target, name="cli-worker", quota_pages=40, cache_namespace="model-a") as kv:
         kv.alloc(kv.open(["r0", "r1"]), [5, 9])  # 2 + 3 pages
+        [probe] = kv.open(["probe"]).tolist()
+        assert kv.match(probe, list(range(12))) == 0  # 12 query tokens, no hit
+        kv.release([probe])
         # Both at once: each imports the client library (and torch), which takes a while.
         runs = {
             name: subprocess.Popen([*CLI, "stats", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -166,10 +179,13 @@ def test_stats_prints_a_table_and_json(server: ServerProcess) -> None:
     assert re.search(r"pages used 5 \(2\.0%\)\s+cached 0\s+free 251", table), table
     assert re.search(r"pool\s+256 pages x 4 tokens; max 16 requests, 256 tokens each", table), table
     assert re.search(r"request slots open 2\s+free 14", table), table
+    assert re.search(r"prefix cache on\s+hash xxh3-128\s+entries 0\s+hit rate 0\.0% \(0 of 12 query tokens\)"
+                     r"\s+evictions 0", table), table  # fmt: skip
     assert "audit OK" in table
     header, row = [line.split() for line in table.splitlines()[-2:]]
-    assert header == ["#", "session", "requests", "pages", "quota", "idle"]
+    assert header == ["#", "session", "requests", "pages", "quota", "idle", "namespace", "hit/query", "evicted"]
     assert row[1:5] == ["cli-worker", "2", "5", "40"], row
+    assert row[6:] == ["model-a", "0/12", "0"], row
 
     (text, err), code = out["json"]
     assert code == 0, err
@@ -181,6 +197,8 @@ def test_stats_prints_a_table_and_json(server: ServerProcess) -> None:
     assert d["geometry"]["pageSize"] == 4 and d["geometry"]["numPages"] == 257
     [session] = d["sessions"]
     assert session["name"] == "cli-worker" and int(session["numPagesHeld"]) == 5 and int(session["quotaPages"]) == 40
+    assert session["cacheNamespace"] == "model-a" and int(session["prefixQueryTokens"]) == 12
+    assert d["prefixCacheEnabled"] is True and d["prefixHash"] == "xxh3-128" and int(d["prefixQueryTokens"]) == 12
     assert d["audit"]["ran"] is False  # no --audit: the O(pool) audit did not run
 
 
@@ -311,6 +329,14 @@ def port_is_free(port: int) -> bool:
         ([], {"KVMEM_MEMORY": "-5GiB"}, ["KVMEM_MEMORY", "'-5GiB'", "negative"]),
         ([], {"KVMEM_DEBUG": "maybe"}, ["KVMEM_DEBUG", "'maybe'"]),
         ([], {"KVMEM_TCP": "127.0.0.1:{busy}"}, ["--tcp", "127.0.0.1:{busy}", "in use"]),
+        # the prefix cache and its events
+        (["--prefix-hash", "md5"], {}, ["--prefix-hash", "'md5'", "xxh3-128", "vllm-sha256-cbor"]),
+        (["--prefix-hash-seed", "42"], {}, ["--prefix-hash-seed", "xxh3-128", "no seed"]),
+        (["--kv-events-buffer", "0"], {}, ["--kv-events-buffer", "'0'", "positive"]),
+        (["--kv-events-replay", "tcp://*:5558"], {}, ["--kv-events-replay", "tcp://*:5558", "--kv-events-zmq"]),
+        (["--kv-events-zmq", "5557"], {}, ["--kv-events-zmq", "'5557'", "tcp://"]),
+        ([], {"KVMEM_NO_PREFIX_CACHE": "maybe"}, ["KVMEM_NO_PREFIX_CACHE", "'maybe'"]),
+        ([], {"KVMEM_PREFIX_HASH": "sha1"}, ["KVMEM_PREFIX_HASH", "'sha1'"]),
     ],
 )
 def test_serve_refuses_a_bad_value_in_one_line_leaving_nothing_behind(
@@ -386,3 +412,40 @@ def test_a_value_that_starts_with_a_dash_is_a_value_not_an_option(tmpdir_short: 
     assert run.returncode == 2 and "--tcp: expected one argument" in run.stderr, run.stderr
     run = kvmem("serve", "--devices", "-1")
     assert run.returncode == 2 and "--devices" in run.stderr and "'-1'" in run.stderr, run.stderr
+
+
+def test_kv_events_zmq_without_pyzmq_is_refused_naming_the_extra(tmpdir_short: str) -> None:
+    """Where pyzmq is not installed (hidden here), --kv-events-zmq stops the start with
+    the pip command, before anything is created."""
+    shm_dir = os.path.join(tmpdir_short, "shm")
+    os.mkdir(shm_dir)
+    sock = os.path.join(tmpdir_short, "kvmem.sock")
+    code = (
+        "import sys\n"
+        "sys.modules['zmq'] = None\n"
+        "from kvmem.server.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, "serve", "--socket", sock, "--shm-dir", shm_dir, "--kv-events-zmq", "tcp://*:0"],
+        capture_output=True, text=True, env=clean_env(), timeout=60,
+    )  # fmt: skip
+    assert_refused(run, ["--kv-events-zmq", "pyzmq", "pip install 'kvmem[events]'"], sock, shm_dir)
+
+
+def test_serve_with_vllm_keys_and_a_seed_reports_the_recipe(tmpdir_short: str) -> None:
+    """vLLM's recipe with its seed: Attach and Stats name the recipe, and the cache works."""
+    srv = start_server(tmpdir_short, "--page-size", "4", "--num-pages", "65", "--max-context", "64",
+                       "--prefix-hash", "vllm-sha256-cbor", "--prefix-hash-seed", "0",
+                       env=clean_env(KVMEM_DEBUG="1"))  # fmt: skip
+    try:
+        with KVMemClient(srv.target, name="vllm-keys") as kv:
+            assert (kv.prefix_cache.enabled, kv.prefix_cache.hash) == (True, "vllm-sha256-cbor")
+            [a, b] = kv.open(["a", "b"]).tolist()
+            kv.alloc([a], [8])
+            assert kv.release([a], [list(range(8))]).num_pages_cached == 2
+            assert kv.match(b, list(range(8))) == 8
+        assert stats_of(srv).prefix_hash == "vllm-sha256-cbor"
+        assert "hash=vllm-sha256-cbor" in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()

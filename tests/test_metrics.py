@@ -172,3 +172,35 @@ def test_a_metrics_port_in_use_stops_the_start_naming_it(tmpdir_short: str) -> N
     assert "Traceback" not in run.stderr
     assert not os.path.exists(path)  # gRPC never listened
     assert os.listdir(tmpdir_short) == []  # the shm files the pool had made are gone
+
+
+def test_prefix_cache_metrics_agree_with_stats(metrics_server) -> None:
+    srv, url = metrics_server
+    m = scrape(url)
+    assert value(m, "kvmem_prefix_cache_enabled", hash="xxh3-128") == 1
+    assert value(m, "kvmem_prefix_cache_entries") == 0 and value(m, "kvmem_prefix_query_tokens_total") == 0
+
+    prompt = list(range(10))  # two full pages of 4, and a partial one (never cached)
+    with KVMemClient(srv.target, name="worker-0") as A, KVMemClient(srv.target, name="worker-1") as B:
+        [a] = A.open(["a"]).tolist()
+        A.alloc([a], [10])
+        A.release([a], [prompt])  # cache: 2 pages
+        [b] = B.open(["b"]).tolist()
+        assert B.match(b, prompt) == 8
+        B.release([b])
+        many = A.open([f"big-{i}" for i in range(4)]).tolist()
+        assert A.alloc(many, [64] * 4).num_pages_evicted == 2  # 4 x 16 pages = all 64: the cached two go
+        stats = A.stats()
+
+        m = scrape(url)
+        assert value(m, "kvmem_prefix_query_tokens_total") == stats.prefix_query_tokens == 10
+        assert value(m, "kvmem_prefix_hit_tokens_total") == stats.prefix_hit_tokens == 8
+        assert value(m, "kvmem_prefix_pages_cached_total") == 2
+        assert value(m, "kvmem_prefix_evictions_total") == stats.num_evictions == 2
+        assert value(m, "kvmem_prefix_cache_entries") == stats.num_cache_entries == 0
+        assert value(m, "kvmem_pages", state="cached") == stats.num_cached_pages == 0
+        w0, w1 = {"session": "worker-0", "index": "1"}, {"session": "worker-1", "index": "2"}
+        assert value(m, "kvmem_session_prefix_query_tokens_total", **w1) == 10
+        assert value(m, "kvmem_session_prefix_hit_tokens_total", **w1) == 8
+        assert value(m, "kvmem_session_prefix_query_tokens_total", **w0) == 0
+        assert value(m, "kvmem_session_prefix_evictions_total", **w0) == 2

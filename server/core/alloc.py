@@ -69,8 +69,12 @@ class Allocator:
         total = int(cnt.sum())
         quota_left = None if quota is None else quota - state.num_pages_held
         too_long = end > self.max_context_len
-        if np.count_nonzero(too_long) or total > self.pool.num_free or (quota_left is not None and total > quota_left):
-            status = _admit(cnt, too_long, self.pool.num_free, quota_left)
+        if (
+            np.count_nonzero(too_long)
+            or total > self.pool.num_available
+            or (quota_left is not None and total > quota_left)
+        ):
+            status = _admit(cnt, too_long, self.pool.num_available, quota_left)
             ok = status == AllocStatus.OK
             if atomic and not ok.all():
                 status[ok] = AllocStatus.ABORTED
@@ -150,7 +154,7 @@ class Allocator:
             col, rem = np.divmod(cur, ps)
         grow = rem == 0
         total = int(np.count_nonzero(grow))
-        if total > self.pool.num_free or (quota is not None and total > quota - state.num_pages_held):
+        if total > self.pool.num_available or (quota is not None and total > quota - state.num_pages_held):
             return None
         pos = slots * table.width + col  # flat block-table entries
         page = table.flat.take(pos)  # int32: the page each token lands in (0 where a new one goes)

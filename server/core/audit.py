@@ -11,6 +11,7 @@ import numpy as np
 
 from kvmem.server.core.config import AuditReport, CoreConfig
 from kvmem.server.core.pool import PagePool
+from kvmem.server.core.prefix import PrefixCache
 from kvmem.server.core.slots import RequestSlots
 from kvmem.server.core.table import BlockTable
 
@@ -21,12 +22,15 @@ def audit(
     table: BlockTable,
     slots: RequestSlots,
     quarantine: dict[int, list[np.ndarray]],
+    cache: PrefixCache,
 ) -> AuditReport:
     problems: list[str] = []
     held = [a for arrays in quarantine.values() for a in arrays]
     in_quarantine = np.concatenate(held) if held else np.zeros(0, dtype=np.int32)
-    num_used = _audit_pages(config, pool, in_quarantine, problems)
-    num_cached = 0  # no prefix cache yet
+    queued = cache.queued()
+    num_used = _audit_pages(config, pool, np.concatenate((in_quarantine, queued)), problems)
+    num_cached = int(queued.size)
+    _audit_cache(config, pool, cache, queued, in_quarantine, problems)
     num_q = pool.num_quarantined
     if in_quarantine.size != num_q:
         problems.append(f"the quarantines hold {in_quarantine.size} pages but the pool counts {num_q}")
@@ -42,9 +46,47 @@ def audit(
     return AuditReport(not problems, tuple(problems), pool.num_free, num_cached, num_used, num_q)
 
 
+def _audit_cache(
+    config: CoreConfig,
+    pool: PagePool,
+    cache: PrefixCache,
+    queued: np.ndarray,
+    in_quarantine: np.ndarray,
+    problems: list[str],
+) -> None:
+    """The prefix cache: the index and the per-page keys agree; every cached page's
+    parent is a root or cached (no chain is broken); the evictable queue holds exactly
+    the cached pages no one references; no free or quarantined page is cached."""
+    if not cache.enabled:
+        if cache.num_entries or queued.size:
+            problems.append("the prefix cache is off but holds pages")
+        return
+    keyed = np.flatnonzero(cache.cached)
+    if keyed.size and keyed[0] == 0:
+        problems.append("page 0 is marked cached")
+    if len(cache.index) != keyed.size:
+        problems.append(f"the key index has {len(cache.index)} entries for {keyed.size} cached pages")
+    wrong = [p for p in keyed.tolist() if cache.index.get(cache.key[p]) != p]
+    if wrong:
+        problems.append(f"cached pages whose key does not map back to them: {wrong[:16]}")
+    roots = set(cache.roots.values())
+    broken = [p for p in keyed.tolist() if cache.parent[p] not in roots and cache.parent[p] not in cache.index]
+    if broken:
+        problems.append(f"cached pages whose parent key is neither a root nor cached: {broken[:16]}")
+    idle = keyed[pool.ref_cnt[keyed] == 0]
+    if not np.array_equal(np.sort(queued), idle):
+        problems.append(f"the evictable queue holds {queued.size} pages, {idle.size} cached pages have no reference")
+    if queued.size != cache.num_evictable:
+        problems.append(f"the evictable queue holds {queued.size} pages, its count says {cache.num_evictable}")
+    loose = np.concatenate((pool.free_pages(), in_quarantine)).astype(np.intp)
+    if loose.size and np.count_nonzero(cache.cached[loose]):
+        problems.append(f"free or quarantined pages that are cached: {loose[cache.cached[loose]].tolist()[:16]}")
+
+
 def _audit_pages(config: CoreConfig, pool: PagePool, in_quarantine: np.ndarray, problems: list[str]) -> int:
-    """Reference counts against the free stack and the quarantines: a page with no
-    reference is in exactly one of them. Returns the number of used pages."""
+    """Reference counts against the free stack, the quarantines and the cache's
+    evictable queue (``in_quarantine`` holds both): a page with no reference is in
+    exactly one of them. Returns the number of used pages."""
     ref = pool.ref_cnt
     free = np.concatenate((pool.free_pages(), in_quarantine))
     if ref[0] != 0:

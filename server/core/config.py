@@ -45,18 +45,26 @@ class OwnerUsage:
     owner: OwnerId
     num_requests: int
     num_pages_held: int
+    namespace: str = ""
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_evictions: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolStats:
     num_pages_total: int  # usable pages: num_pages - 1
     num_free_pages: int
-    num_cached_pages: int  # always 0 until the prefix cache lands
+    num_cached_pages: int  # held only by the prefix cache: evictable
     num_used_pages: int
     num_quarantined_pages: int  # of owners removed with a quarantine, not yet released
     num_free_request_slots: int
     num_open_requests: int
     owners: tuple[OwnerUsage, ...]
+    num_cache_entries: int = 0  # pages with a key in the prefix cache, held or not
+    num_evictions: int = 0  # since start
+    prefix_query_tokens: int = 0  # tokens match items asked for, since start
+    prefix_hit_tokens: int = 0  # tokens they matched
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

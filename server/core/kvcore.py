@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvmem.server.core import prefix_step
 from kvmem.server.core import step as steps
 from kvmem.server.core.alloc import Allocator
 from kvmem.server.core.audit import audit
-from kvmem.server.core.batch import StepBatch, StepResult, no_allocs
+from kvmem.server.core.batch import NO_INT32, StepBatch, StepResult, no_allocs
 from kvmem.server.core.config import AuditReport, CoreConfig, OwnerId, OwnerUsage, PoolStats
+from kvmem.server.core.events import AllCleared, CacheEvent
+from kvmem.server.core.hashing import PageKeys, XXH3Keys
 from kvmem.server.core.pool import PagePool
-from kvmem.server.core.slots import RequestSlots
+from kvmem.server.core.prefix import PrefixCache
+from kvmem.server.core.slots import Owner, RequestSlots
 from kvmem.server.core.table import BlockTable
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
 
@@ -27,16 +31,33 @@ class KVCore:
     ``audit_every_step`` runs :meth:`audit` after every mutating call (O(pool): a debug
     switch that the tests and ``KVMEM_DEBUG=1`` turn on).
 
+    The prefix cache (``prefix_cache``, on by default) keys full pages with
+    ``page_keys`` (default :class:`~kvmem.server.core.hashing.XXH3Keys`); owners share
+    cached pages within a namespace (:meth:`add_owner`). ``event_sink`` receives the
+    cache events of each mutating call that made any, as one list (see
+    :mod:`kvmem.server.core.events`).
+
     Costs are stated per method: ``n`` items in a call, ``T`` tokens it allocates, ``P``
     pages it takes or drops. Nothing is proportional to ``num_pages`` except
     :meth:`audit` and construction.
     """
 
     def __init__(
-        self, config: CoreConfig, block_table: np.ndarray | None = None, *, audit_every_step: bool = False
+        self,
+        config: CoreConfig,
+        block_table: np.ndarray | None = None,
+        *,
+        audit_every_step: bool = False,
+        prefix_cache: bool = True,
+        page_keys: PageKeys | None = None,
+        event_sink: Callable[[list[CacheEvent]], None] | None = None,
     ) -> None:
         self.config = config
         self.pool = PagePool(config.num_pages)
+        self.cache = PrefixCache(config.num_pages, config.page_size, page_keys or XXH3Keys(), enabled=prefix_cache)
+        if prefix_cache:
+            self.pool.cache = self.cache
+        self.event_sink = event_sink
         self.table = BlockTable(config, self.pool, block_table)
         self.block_table = self.table.array
         self.slots = RequestSlots(config.max_requests)
@@ -47,9 +68,18 @@ class KVCore:
 
     # ----------------------------------------------------------------- owners
 
-    def add_owner(self) -> OwnerId:
-        """A new owner (a session); its index, never reused. O(max_requests), once."""
-        return self.slots.add_owner()
+    @property
+    def prefix_enabled(self) -> bool:
+        return self.cache.enabled
+
+    @property
+    def page_keys(self) -> PageKeys:
+        return self.cache.page_keys
+
+    def add_owner(self, namespace: str = "") -> OwnerId:
+        """A new owner (a session) in prefix-cache ``namespace``; its index, never
+        reused. O(max_requests), once."""
+        return self.slots.add_owner(namespace)
 
     def remove_owner(self, owner: int, *, quarantine: bool = False) -> int:
         """Release every request of ``owner`` (exactly as a release step would) and
@@ -64,7 +94,7 @@ class KVCore:
         del self.slots.owners[owner]
         if hold:
             self._quarantine[owner] = hold
-        self._maybe_audit()
+        self._finish()
         return int(open_slots.size)
 
     def quarantined_pages(self, owner: int) -> int:
@@ -76,7 +106,7 @@ class KVCore:
         O(those pages)."""
         hold = self._quarantine.pop(owner, None)
         freed = 0 if hold is None else self.pool.release_held(hold)
-        self._maybe_audit()
+        self._finish()
         return freed
 
     def has_owner(self, owner: int) -> bool:
@@ -98,7 +128,10 @@ class KVCore:
         return self.slots.open(self.slots.owner(owner), request_ids)
 
     def step(self, owner: int, batch: StepBatch, quota_pages: int | None = None) -> StepResult:
-        """One scheduler step: releases, then truncates, then allocs.
+        """One scheduler step: releases, then truncates, then cache items, then match
+        items, then allocs (see :mod:`kvmem.server.core.prefix_step` for the prefix
+        cache's part; an alloc that needs pages evicts cached ones when the free stack
+        is short).
 
         The whole batch is validated before anything changes; bad input raises
         :class:`KVMemError` naming the column, the item and the value. An alloc that
@@ -112,24 +145,60 @@ class KVCore:
         state = self.slots.owner(owner)
         batch.check_lengths(self.config.max_requests)
         rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
-        if al.size and not rel.size and not tr.size:
+        cache = self.cache
+        evictions, inserted = cache.num_evictions, cache.num_inserted
+        prefix = batch.has_prefix_items
+        if al.size and not rel.size and not tr.size and not prefix:
             fast = self._allocator.decode(state, al, batch.alloc_needs, batch.expectations(), quota_pages)
             if fast is not None:
-                self._maybe_audit()
+                if cache.num_evictions != evictions:
+                    self._count_evictions(state, fast, evictions)
+                self._finish()
                 return fast
+        ms = batch.match_slots
+        if ms.size:
+            prefix_step.check_matched_allocs(self.slots, batch)
         cur = steps.validate(self.slots, state, batch)
+        plan = None
+        if prefix or (tr.size and cache.enabled and cache.num_entries):
+            plan = prefix_step.validate(cache, self.slots, self.table, state, batch)
         dropped = 0
         if rel.size:
+            if plan is not None and plan.release_keys:
+                prefix_step.insert_released(cache, self.table, batch, plan, state.namespace)
             dropped += steps.release(self.slots, self.table, state, rel)
         if tr.size:
             dropped += steps.truncate(self.slots, self.table, state, tr, batch.truncate_lens)
+        switched, changed = NO_INT32, list[int]()
+        if plan is not None and batch.cache_slots.size:
+            switched, changed = prefix_step.cache_rows(cache, self.pool, self.table, batch, plan, state.namespace)
+        lens = NO_INT32
+        if ms.size:
+            lens = prefix_step.match(
+                cache, self.pool, self.table, self.slots, state, batch, quota_pages, self.config.max_context_len
+            )
+            if cur is not None:
+                cur = self.slots.alloced[al]  # matched slots start where their match ended
         if cur is None:
             result = no_allocs(dropped)
         else:
             result = self._allocator.alloc(state, al, batch.alloc_needs, cur, batch.atomic, quota_pages)
             result.num_pages_released = dropped
-        self._maybe_audit()
+        if prefix:
+            result.match_lens, result.cache_switched = lens, switched
+            result.num_pages_cached = cache.num_inserted - inserted
+            if changed or lens.size:
+                rows = [np.array(changed, dtype=np.int64), ms[lens > 0]]
+                result.changed_rows = np.concatenate(rows)
+        if cache.num_evictions != evictions:
+            self._count_evictions(state, result, evictions)
+        self._finish()
         return result
+
+    def _count_evictions(self, state: Owner, result: StepResult, before: int) -> None:
+        evicted = self.cache.num_evictions - before
+        result.num_pages_evicted = evicted
+        state.num_evictions += evicted
 
     # ------------------------------------------------------------- inspection
 
@@ -143,24 +212,52 @@ class KVCore:
         """Pool counters and per-owner usage. O(owners)."""
         num_free = self.pool.num_free
         num_quarantined = self.pool.num_quarantined
+        cache = self.cache
+        num_cached = cache.num_evictable
         total = self.config.num_pages - 1
         slots = self.slots
         return PoolStats(
             num_pages_total=total,
             num_free_pages=num_free,
-            num_cached_pages=0,
-            num_used_pages=total - num_free - num_quarantined,
+            num_cached_pages=num_cached,
+            num_used_pages=total - num_free - num_cached - num_quarantined,
             num_quarantined_pages=num_quarantined,
             num_free_request_slots=slots.num_free,
             num_open_requests=self.config.max_requests - slots.num_free,
-            owners=tuple(OwnerUsage(o.index, o.num_requests, o.num_pages_held) for o in slots.owners.values()),
+            owners=tuple(
+                OwnerUsage(
+                    o.index,
+                    o.num_requests,
+                    o.num_pages_held,
+                    o.namespace,
+                    o.prefix_query_tokens,
+                    o.prefix_hit_tokens,
+                    o.num_evictions,
+                )
+                for o in slots.owners.values()
+            ),
+            num_cache_entries=cache.num_entries,
+            num_evictions=cache.num_evictions,
+            prefix_query_tokens=cache.query_tokens,
+            prefix_hit_tokens=cache.hit_tokens,
         )
+
+    def snapshot_events(self) -> list[CacheEvent]:
+        """``AllCleared`` then a ``PagesStored`` per cached page, parents first: what
+        a watcher that lost track resyncs from. O(cache size log); never on a step."""
+        return [AllCleared(), *self.cache.snapshot()]
 
     def audit(self) -> AuditReport:
         """Check every invariant (O(pool): see :func:`kvmem.server.core.audit.audit`)."""
-        return audit(self.config, self.pool, self.table, self.slots, self._quarantine)
+        return audit(self.config, self.pool, self.table, self.slots, self._quarantine, self.cache)
 
-    def _maybe_audit(self) -> None:
+    def _finish(self) -> None:
+        """End of a mutating call: hand its cache events to the sink; audit if asked."""
+        events = self.cache.events
+        if events:
+            self.cache.events = []
+            if self.event_sink is not None:
+                self.event_sink(events)
         if self.audit_every_step:
             report = self.audit()
             if not report.ok:

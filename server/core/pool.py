@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvmem.server.core.prefix import PrefixCache
 from kvmem.server.core.words import StampedWords
 from kvmem.server.errors import CorruptionError
 
@@ -18,6 +19,10 @@ class PagePool:
     The stack is a preallocated array, so a take or a give back of ``P`` pages costs
     O(P), whatever the pool's size.
 
+    With a prefix cache (``cache``), a cached page whose count reaches 0 is neither
+    free nor quarantined: it waits in the cache's evictable queue, and :meth:`take`
+    evicts from there when the free stack is short (:attr:`num_available` counts both).
+
     Each page has one :class:`~kvmem.server.core.words.StampedWords` word: the
     reference count is its value (``ref_cnt``), and :meth:`unref` uses the stamp to
     find pages listed twice, so a free check reads count and stamp with one gather.
@@ -31,6 +36,7 @@ class PagePool:
         self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
         self._num_free = num_pages - 1
         self.num_quarantined = 0
+        self.cache: PrefixCache | None = None  # set by the core when the prefix cache is on
         # The words of pages held once and stamped 0, 1, 2, ...
         self._expect_once = StampedWords.expected(1, self._words.order_size)
 
@@ -38,18 +44,37 @@ class PagePool:
     def num_free(self) -> int:
         return self._num_free
 
+    @property
+    def num_available(self) -> int:
+        """Pages an alloc may take: free ones and evictable cached ones."""
+        cache = self.cache
+        return self._num_free if cache is None else self._num_free + cache.num_evictable
+
     def free_pages(self) -> np.ndarray:
         """The free stack (a view; the top is the end). For the audit and tests."""
         return self._free[: self._num_free]
 
     def take(self, num: int) -> np.ndarray:
-        """Pop ``num`` free pages and set their count to 1. O(num). Caller checks space."""
+        """Pop ``num`` free pages and set their count to 1, evicting cached pages first
+        when the free stack is short. O(num). Caller checks :attr:`num_available`."""
         top = self._num_free
         if num > top:
-            raise CorruptionError(f"take({num}) with only {top} free pages")
+            return self._take_evicting(num)
         pages = self._free[top - num : top][::-1].copy()
         self._num_free = top - num
         self._words.word[pages] = 1  # count 1, stamp cleared
+        return pages
+
+    def _take_evicting(self, num: int) -> np.ndarray:
+        """:meth:`take` when the free stack is short: all of it, then pages evicted
+        from the cache, least recently used first (straight into use: no push)."""
+        top = self._num_free
+        if self.cache is None or num > top + self.cache.num_evictable:
+            raise CorruptionError(f"take({num}) with only {self.num_available} free or evictable pages")
+        evicted = self.cache.evict(num - top)
+        pages = np.concatenate((self._free[:top][::-1], evicted)) if top else evicted
+        self._num_free = 0
+        self._words.word.put(pages, 1)
         return pages
 
     def unref(self, pages: np.ndarray, hold: list[np.ndarray] | None = None) -> int:
@@ -121,8 +146,28 @@ class PagePool:
         self._words.word[idx] = counts
         return self._push(pages[counts == 0], hold)
 
+    def share(self, pages: np.ndarray) -> None:
+        """One more reference to each of ``pages`` (cached pages a match or a cache
+        item attaches; repeats allowed). Evictable ones leave the cache's queue. O(P)."""
+        if not pages.size:
+            return
+        idx = pages.astype(np.intp)
+        ref = self.ref_cnt
+        if self.cache is not None:
+            idle = np.unique(idx[ref[idx] == 0])
+            if idle.size:
+                self.cache.unevict(idle)
+        np.add.at(ref, idx, 1)
+
     def _push(self, freed: np.ndarray, hold: list[np.ndarray] | None = None) -> int:
-        # The prefix cache will send cached pages to an evictable LRU here instead.
+        """Pages whose count reached 0: cached ones to the cache's evictable queue (in
+        the order given: chain order), the others to ``hold`` or the free stack."""
+        cache = self.cache
+        if cache is not None and cache.num_entries and freed.size:
+            is_cached = cache.cached[freed]
+            if np.count_nonzero(is_cached):
+                cache.push_evictable(freed[is_cached])
+                freed = freed[~is_cached]
         if hold is not None:
             hold.append(np.array(freed, dtype=np.int32))  # a copy: the caller's array may be a view
             self.num_quarantined += int(freed.size)

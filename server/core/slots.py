@@ -31,6 +31,10 @@ class Owner:
     num_pages_held: int = 0
     num_requests: int = 0
     request_slots: dict[str, int] = dataclasses.field(default_factory=dict)
+    namespace: str = ""  # its prefix-cache namespace
+    prefix_query_tokens: int = 0  # tokens its match items asked for
+    prefix_hit_tokens: int = 0  # tokens they matched
+    num_evictions: int = 0  # cached pages its allocs evicted
 
 
 class RequestSlots:
@@ -64,12 +68,12 @@ class RequestSlots:
 
     # ----------------------------------------------------------------- owners
 
-    def add_owner(self) -> OwnerId:
+    def add_owner(self, namespace: str = "") -> OwnerId:
         """A new owner's index. O(max_requests) numpy, once: the slot words its slots
         will hold, which every slot check compares with."""
         index = OwnerId(self._next_owner)
         self._next_owner += 1
-        self.owners[index] = Owner(index, StampedWords.expected(index, self._words.order_size))
+        self.owners[index] = Owner(index, StampedWords.expected(index, self._words.order_size), namespace=namespace)
         return index
 
     def owner(self, index: int) -> Owner:

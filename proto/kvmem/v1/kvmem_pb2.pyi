@@ -37,6 +37,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_CORRUPTION: _ClassVar[ErrorReason]
     ERROR_REASON_TOO_MANY_SESSIONS: _ClassVar[ErrorReason]
     ERROR_REASON_NOT_READY: _ClassVar[ErrorReason]
+    ERROR_REASON_PAGE_SHARED: _ClassVar[ErrorReason]
 KV_FORMAT_UNSPECIFIED: KVFormat
 KV_FORMAT_MHA: KVFormat
 KV_FORMAT_MLA: KVFormat
@@ -59,6 +60,7 @@ ERROR_REASON_SHUTTING_DOWN: ErrorReason
 ERROR_REASON_CORRUPTION: ErrorReason
 ERROR_REASON_TOO_MANY_SESSIONS: ErrorReason
 ERROR_REASON_NOT_READY: ErrorReason
+ERROR_REASON_PAGE_SHARED: ErrorReason
 
 class KVLayout(_message.Message):
     __slots__ = ("format", "num_layers", "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "dtype", "bytes_per_token")
@@ -141,26 +143,40 @@ class MemoryHandle(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("name", "quota_pages")
+    __slots__ = ("name", "quota_pages", "cache_namespace")
     NAME_FIELD_NUMBER: _ClassVar[int]
     QUOTA_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     name: str
     quota_pages: int
-    def __init__(self, name: _Optional[str] = ..., quota_pages: _Optional[int] = ...) -> None: ...
+    cache_namespace: str
+    def __init__(self, name: _Optional[str] = ..., quota_pages: _Optional[int] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("epoch", "session_id", "lease_ms", "geometry", "memory")
+    __slots__ = ("epoch", "session_id", "lease_ms", "geometry", "memory", "prefix_cache")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     session_id: str
     lease_ms: int
     geometry: PoolGeometry
     memory: _containers.RepeatedCompositeFieldContainer[MemoryHandle]
-    def __init__(self, epoch: _Optional[str] = ..., session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[MemoryHandle, _Mapping]]] = ...) -> None: ...
+    prefix_cache: PrefixCacheInfo
+    def __init__(self, epoch: _Optional[str] = ..., session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[MemoryHandle, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheInfo(_message.Message):
+    __slots__ = ("enabled", "hash", "cache_namespace")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    hash: str
+    cache_namespace: str
+    def __init__(self, enabled: _Optional[bool] = ..., hash: _Optional[str] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -205,7 +221,7 @@ class OpenResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens", "atomic")
+    __slots__ = ("session_id", "release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens", "atomic", "release_token_ids", "release_token_offsets", "cache_slots", "cache_token_ids", "cache_token_offsets", "match_slots", "match_token_ids", "match_token_offsets", "match_max_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +230,15 @@ class StepRequest(_message.Message):
     ALLOC_NEEDS_FIELD_NUMBER: _ClassVar[int]
     ALLOC_EXPECTED_LENS_FIELD_NUMBER: _ClassVar[int]
     ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_TOKEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TOKEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    MATCH_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MATCH_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MATCH_TOKEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    MATCH_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     release_slots: _containers.RepeatedScalarFieldContainer[int]
     truncate_slots: _containers.RepeatedScalarFieldContainer[int]
@@ -222,10 +247,19 @@ class StepRequest(_message.Message):
     alloc_needs: _containers.RepeatedScalarFieldContainer[int]
     alloc_expected_lens: _containers.RepeatedScalarFieldContainer[int]
     atomic: bool
-    def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ...) -> None: ...
+    release_token_ids: bytes
+    release_token_offsets: bytes
+    cache_slots: _containers.RepeatedScalarFieldContainer[int]
+    cache_token_ids: bytes
+    cache_token_offsets: bytes
+    match_slots: _containers.RepeatedScalarFieldContainer[int]
+    match_token_ids: bytes
+    match_token_offsets: bytes
+    match_max_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ..., release_token_ids: _Optional[bytes] = ..., release_token_offsets: _Optional[bytes] = ..., cache_slots: _Optional[_Iterable[int]] = ..., cache_token_ids: _Optional[bytes] = ..., cache_token_offsets: _Optional[bytes] = ..., match_slots: _Optional[_Iterable[int]] = ..., match_token_ids: _Optional[bytes] = ..., match_token_offsets: _Optional[bytes] = ..., match_max_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages")
+    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALLOC_STATUS_FIELD_NUMBER: _ClassVar[int]
     KV_LOC_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +268,10 @@ class StepResponse(_message.Message):
     NEW_PAGE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_RELEASED_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SWITCHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_EVICTED_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     alloc_status: bytes
     kv_loc: bytes
@@ -242,7 +280,11 @@ class StepResponse(_message.Message):
     new_page_offsets: bytes
     num_pages_released: int
     num_free_pages: int
-    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ...) -> None: ...
+    match_lens: bytes
+    cache_switched: bytes
+    num_pages_cached: int
+    num_pages_evicted: int
+    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("audit",)
@@ -251,20 +293,28 @@ class StatsRequest(_message.Message):
     def __init__(self, audit: _Optional[bool] = ...) -> None: ...
 
 class SessionUsage(_message.Message):
-    __slots__ = ("name", "index", "num_requests", "num_pages_held", "quota_pages", "idle_ms")
+    __slots__ = ("name", "index", "num_requests", "num_pages_held", "quota_pages", "idle_ms", "cache_namespace", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_HELD_FIELD_NUMBER: _ClassVar[int]
     QUOTA_PAGES_FIELD_NUMBER: _ClassVar[int]
     IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     index: int
     num_requests: int
     num_pages_held: int
     quota_pages: int
     idle_ms: int
-    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pages_held: _Optional[int] = ..., quota_pages: _Optional[int] = ..., idle_ms: _Optional[int] = ...) -> None: ...
+    cache_namespace: str
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evictions: int
+    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_pages_held: _Optional[int] = ..., quota_pages: _Optional[int] = ..., idle_ms: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ...) -> None: ...
 
 class AuditResult(_message.Message):
     __slots__ = ("ran", "ok", "problems")
@@ -277,7 +327,7 @@ class AuditResult(_message.Message):
     def __init__(self, ran: _Optional[bool] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions")
+    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions", "prefix_cache_enabled", "prefix_hash", "num_cache_entries")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +346,9 @@ class StatsResponse(_message.Message):
     UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_QUARANTINED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     geometry: PoolGeometry
     num_pages_total: int
@@ -314,4 +367,67 @@ class StatsResponse(_message.Message):
     uptime_ms: int
     num_quarantined_pages: int
     num_quarantined_sessions: int
-    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ...) -> None: ...
+    prefix_cache_enabled: bool
+    prefix_hash: str
+    num_cache_entries: int
+    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("from_seq", "epoch")
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    from_seq: int
+    epoch: str
+    def __init__(self, from_seq: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("epoch", "seq", "ts", "events", "snapshot", "snapshot_done", "fell_behind")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    FELL_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    ts: float
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    snapshot: bool
+    snapshot_done: bool
+    fell_behind: bool
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_done: _Optional[bool] = ..., fell_behind: _Optional[bool] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: PagesStored
+    removed: PagesRemoved
+    cleared: AllCleared
+    def __init__(self, stored: _Optional[_Union[PagesStored, _Mapping]] = ..., removed: _Optional[_Union[PagesRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllCleared, _Mapping]] = ...) -> None: ...
+
+class PagesStored(_message.Message):
+    __slots__ = ("keys", "parent_key", "token_ids", "page_size", "cache_namespace")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_key: bytes
+    token_ids: bytes
+    page_size: int
+    cache_namespace: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., page_size: _Optional[int] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
+
+class PagesRemoved(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AllCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

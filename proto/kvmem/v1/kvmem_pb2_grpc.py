@@ -64,6 +64,11 @@ class KVMemoryStub:
                 request_serializer=kvmem_dot_v1_dot_kvmem__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvmem_dot_v1_dot_kvmem__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvmem.v1.KVMemory/WatchEvents',
+                request_serializer=kvmem_dot_v1_dot_kvmem__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvmem_dot_v1_dot_kvmem__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class KVMemoryServicer:
@@ -99,7 +104,7 @@ class KVMemoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """One scheduler step: releases, then truncates, then allocs.
+        """One scheduler step: releases, then truncates, then caches, then matches, then allocs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +112,15 @@ class KVMemoryServicer:
 
     def Stats(self, request, context):
         """Pool counters, per-session usage and the audit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """What the prefix cache stores and removes, for KV-aware routers: batches of events
+        with sequence numbers, replayed from `from_seq` out of a bounded buffer. Needs no
+        session (the bearer token, when the server asks for one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +158,11 @@ def add_KVMemoryServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvmem_dot_v1_dot_kvmem__pb2.StatsRequest.FromString,
                     response_serializer=kvmem_dot_v1_dot_kvmem__pb2.StatsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvmem_dot_v1_dot_kvmem__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvmem_dot_v1_dot_kvmem__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +327,33 @@ class KVMemory:
             '/kvmem.v1.KVMemory/Stats',
             kvmem_dot_v1_dot_kvmem__pb2.StatsRequest.SerializeToString,
             kvmem_dot_v1_dot_kvmem__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmem.v1.KVMemory/WatchEvents',
+            kvmem_dot_v1_dot_kvmem__pb2.WatchEventsRequest.SerializeToString,
+            kvmem_dot_v1_dot_kvmem__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,39 @@
+"""What the prefix cache reports: pages stored, pages removed, everything cleared.
+
+The core collects these per mutating call and hands them to its event sink (the
+server's replay buffer, which feeds WatchEvents and the vLLM-format publisher).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PagesStored:
+    """Consecutive pages of one chain entered the cache: ``keys`` in chain order,
+    ``parent_key`` the first one's parent (None: a chain's first page), ``token_ids``
+    int32, ``page_size`` per key."""
+
+    keys: list[bytes]
+    parent_key: bytes | None
+    token_ids: np.ndarray
+    page_size: int
+    namespace: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PagesRemoved:
+    """Pages left the cache (evicted, or rewritten by their only holder)."""
+
+    keys: list[bytes]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllCleared:
+    """The cache holds nothing (a new server run)."""
+
+
+CacheEvent = PagesStored | PagesRemoved | AllCleared

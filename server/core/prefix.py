@@ -1,0 +1,223 @@
+"""The prefix cache's state: page keys, the key index, and the evictable queue.
+
+A page is *cached* while ``cached[page]`` is set; then ``index[key[page]]`` is that
+page, and ``parent``, ``tokens``, ``namespace`` and ``depth`` describe it (entries of
+pages not cached are stale, never read). It is *evictable* while it is cached and no
+request holds it (count 0): then it is in no row, no free stack and no quarantine,
+only here.
+
+Eviction is least recently used first, where "used" is the moment a page's last holder
+let go. Holders let go of a row's pages together and they are queued chain end first
+(:meth:`push_evictable` reverses them), and a match or cache item takes a run from its
+first page on, so a cached page's parent is never evicted before it: no cached page
+ever has a missing parent, and the audit checks that (a chain is never broken in the
+middle, so "a page whose parent is gone" never waits in the queue). Cached pages are
+immutable: no request writes into one (the step refuses a truncate into the middle of
+one with PAGE_SHARED), so their keys stay true.
+
+The queue is a FIFO array with lazy deletion: a page taken back into use (a match)
+only clears its ``lru_seq``; eviction skips entries whose sequence number no longer
+matches their page's. Each entry is pushed once and skipped or popped once, so every
+operation costs O(pages involved), amortised: the array is compacted (O(entries
+queued)) only after at least as many pushes as it holds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from kvmem.server.core.events import CacheEvent, PagesRemoved, PagesStored
+from kvmem.server.core.hashing import PageKeys
+
+
+class PrefixCache:
+    """Keys and the evictable queue for pages ``[1, num_pages)``. The pool calls
+    :meth:`push_evictable`, :meth:`unevict` and :meth:`evict`; the step code
+    :meth:`insert`. Events of the current call collect in ``events``."""
+
+    def __init__(self, num_pages: int, page_size: int, page_keys: PageKeys, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.page_size = page_size
+        self.page_keys = page_keys
+        self.index: dict[bytes, int] = {}
+        self.key = np.full(num_pages, None, dtype=object)  # bytes (of cached pages; else stale)
+        self.parent = np.full(num_pages, None, dtype=object)  # the parent key (a root for a first page)
+        self.tokens = np.full(num_pages, None, dtype=object)  # int32 token ids (for snapshots)
+        self.namespace = np.full(num_pages, None, dtype=object)
+        self.depth = np.zeros(num_pages, dtype=np.int32)  # column in its chain
+        self.cached = np.zeros(num_pages, dtype=bool)
+        self.roots: dict[str, bytes] = {}  # namespace -> the parent key of its chains' first pages
+        # The evictable queue: entries [head, tail) of (page, seq); valid while lru_seq[page] == seq.
+        cap = 2 * num_pages + 64
+        self._q_page = np.zeros(cap, dtype=np.int32)
+        self._q_seq = np.zeros(cap, dtype=np.int64)
+        self._head = self._tail = 0
+        self._seq = 0
+        self.lru_seq = np.full(num_pages, -1, dtype=np.int64)  # -1: not evictable
+        self.num_evictable = 0
+        self.num_evictions = 0  # since start
+        self.num_inserted = 0
+        self.query_tokens = 0  # tokens match items asked for, since start
+        self.hit_tokens = 0  # tokens they matched
+        self.events: list[CacheEvent] = []
+
+    def root(self, namespace: str) -> bytes:
+        """The chain root of ``namespace`` (computed once per namespace)."""
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = self.page_keys.root(namespace)
+        return root
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.index)
+
+    # ------------------------------------------------------------ insert
+
+    def insert(
+        self, pages: list[int], keys: list[bytes], tokens: np.ndarray, namespace: str, parent: bytes
+    ) -> list[int]:
+        """Cache the chain ``pages`` (held by a request, column 0 on) under ``keys``
+        (computed from ``tokens``, ``page_size`` each, in ``namespace`` from the root
+        ``parent``). A key the cache already has on another page is not inserted: the
+        result lists, per page, the cached page of its key (its own when inserted or
+        already cached). One :class:`PagesStored` per run of new pages. O(pages)."""
+        index, get = self.index, self.index.get
+        ps = self.page_size
+        out: list[int] = []
+        run_start = -1
+        prev = parent
+        for col, (page, key) in enumerate(zip(pages, keys, strict=True)):
+            have = get(key)
+            if have is None:
+                index[key] = page
+                self.key[page] = key
+                self.parent[page] = prev
+                self.tokens[page] = tokens[col * ps : (col + 1) * ps].copy()
+                self.namespace[page] = namespace
+                self.depth[page] = col
+                self.cached[page] = True
+                if run_start < 0:
+                    run_start = col
+                out.append(page)
+            else:
+                if run_start >= 0:
+                    self._stored(keys, tokens, namespace, run_start, col)
+                    run_start = -1
+                out.append(have)
+            prev = key
+        if run_start >= 0:
+            self._stored(keys, tokens, namespace, run_start, len(keys))
+        return out
+
+    def _stored(self, keys: list[bytes], tokens: np.ndarray, namespace: str, start: int, end: int) -> None:
+        ps = self.page_size
+        parent = keys[start - 1] if start else None
+        self.num_inserted += end - start
+        self.events.append(PagesStored(keys[start:end], parent, tokens[start * ps : end * ps].copy(), ps, namespace))
+
+    # ----------------------------------------------------- the evictable queue
+
+    def push_evictable(self, pages: np.ndarray) -> None:
+        """Queue cached pages whose last holder let go, listed in chain order (a row's
+        pages, first column first): queued reversed, so chain ends go first. O(P)."""
+        n = int(pages.size)
+        if self._tail + n > self._q_page.size:
+            self._compact(n)
+        tail = self._tail
+        seqs = np.arange(self._seq, self._seq + n, dtype=np.int64)
+        self._seq += n
+        rev = pages[::-1]
+        self._q_page[tail : tail + n] = rev
+        self._q_seq[tail : tail + n] = seqs
+        self.lru_seq.put(rev, seqs)
+        self._tail = tail + n
+        self.num_evictable += n
+
+    def unevict(self, pages: np.ndarray) -> None:
+        """Evictable pages taken back into use (distinct). Their queue entries go stale. O(P)."""
+        self.lru_seq.put(pages, -1)
+        self.num_evictable -= int(pages.size)
+
+    def evict(self, n: int) -> np.ndarray:
+        """Remove the ``n`` least recently used evictable pages from the cache and
+        return them (the pool hands them out). Caller checks ``n <= num_evictable``.
+        O(n + stale entries skipped), amortised O(n).
+
+        Evictions ride on an alloc's step, so their fixed cost counts: the common case
+        (the queue's first ``n`` entries are all live) is one gather and a byte
+        comparison, and forgetting the pages is one gather, the index deletions (in C)
+        and one scatter. Evicted pages' queue entries lie behind the head (never read
+        again), so their ``lru_seq`` is left as it is."""
+        head, q_page, q_seq, lru_seq = self._head, self._q_page, self._q_seq, self.lru_seq
+        first = q_page[head : head + n]
+        if first.size == n and lru_seq.take(first).tobytes() == q_seq[head : head + n].tobytes():
+            self._head = head + n
+            pages = first.copy()
+        else:
+            pages = self._evict_skipping(n)
+        self.num_evictable -= n
+        self.num_evictions += n
+        keys = self.key.take(pages).tolist()
+        deque(map(self.index.__delitem__, keys), maxlen=0)
+        self.cached.put(pages, False)  # put: a third of a fancy assignment's fixed cost
+        self.events.append(PagesRemoved(keys))
+        return pages
+
+    def _evict_skipping(self, n: int) -> np.ndarray:
+        """The first ``n`` live entries from the head, skipping stale ones."""
+        got: list[np.ndarray] = []
+        want = n
+        head, q_page, q_seq, lru_seq = self._head, self._q_page, self._q_seq, self.lru_seq
+        while want:
+            end = min(self._tail, head + max(2 * want, 64))
+            if end <= head:
+                raise AssertionError(f"evict({n}) with {self.num_evictable} evictable pages: the queue ran dry")
+            window = q_page[head:end]
+            live = np.flatnonzero(lru_seq[window] == q_seq[head:end])
+            if live.size >= want:
+                live = live[:want]
+                head += int(live[-1]) + 1
+            else:
+                head = end
+            got.append(window[live])
+            want -= int(live.size)
+        self._head = head
+        return np.concatenate(got) if len(got) > 1 else got[0]
+
+    def _compact(self, room: int) -> None:
+        """Move the live entries to the front of the queue (growing it when ``room``
+        more would not fit). O(entries queued), at most once per that many pushes."""
+        head, tail = self._head, self._tail
+        pages, seqs = self._q_page[head:tail], self._q_seq[head:tail]
+        live = self.lru_seq[pages] == seqs
+        pages, seqs = pages[live], seqs[live]
+        k = int(pages.size)
+        if k + room > self._q_page.size // 2:
+            size = 2 * (k + room) + 64
+            self._q_page = np.zeros(size, dtype=np.int32)
+            self._q_seq = np.zeros(size, dtype=np.int64)
+        self._q_page[:k] = pages
+        self._q_seq[:k] = seqs
+        self._head, self._tail = 0, k
+
+    def queued(self) -> np.ndarray:
+        """The evictable pages, least recently used first. O(queue): for the audit and tests."""
+        pages = self._q_page[self._head : self._tail]
+        return pages[self.lru_seq[pages] == self._q_seq[self._head : self._tail]]
+
+    # ------------------------------------------------------------ snapshot
+
+    def snapshot(self) -> list[CacheEvent]:
+        """A :class:`PagesStored` for every cached page, parents before children.
+        O(cache size log): for a watcher's resync only."""
+        pages = np.flatnonzero(self.cached)
+        pages = pages[np.argsort(self.depth[pages], kind="stable")]
+        ps = self.page_size
+        out: list[CacheEvent] = []
+        for p in pages.tolist():
+            parent = None if self.depth[p] == 0 else self.parent[p]
+            out.append(PagesStored([self.key[p]], parent, self.tokens[p], ps, self.namespace[p]))
+        return out

@@ -1,0 +1,287 @@
+"""The prefix cache's part of a step: release items' tokens, cache items, match items.
+
+:func:`validate` checks them (and computes every key the step inserts) before anything
+changes; :func:`insert_released`, :func:`cache_rows` and :func:`match` apply them in the
+step's order (releases, truncates, caches, matches, allocs). Costs O(items + pages
+involved): a Python loop over items and their pages (a page key is a chain), never
+over tokens, and nothing proportional to the cache's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvmem.server.core.batch import NO_EXPECTATION, NO_INT32, StepBatch, TokenLists, raise_first
+from kvmem.server.core.pool import PagePool
+from kvmem.server.core.prefix import PrefixCache
+from kvmem.server.core.slots import Owner, RequestSlots
+from kvmem.server.core.table import BlockTable
+from kvmem.server.errors import KVMemError, Reason
+
+
+@dataclasses.dataclass(slots=True)
+class PrefixPlan:
+    """What :func:`validate` worked out: per release and cache item, the keys of its
+    full pages (None: nothing to insert)."""
+
+    release_keys: list[list[bytes] | None]
+    cache_keys: list[list[bytes] | None]
+
+
+def lengths_after_truncates(slots: RequestSlots, batch: StepBatch, which: np.ndarray) -> np.ndarray:
+    """``alloced_len`` of the slots ``which`` once this step's truncates applied. O(n)."""
+    tr = batch.truncate_slots
+    if not tr.size:
+        return slots.alloced[which].astype(np.int64)
+    scratch = slots.scratch
+    scratch[which] = slots.alloced[which]
+    scratch[tr] = batch.truncate_lens
+    return scratch[which].copy()
+
+
+def validate(cache: PrefixCache, slots: RequestSlots, table: BlockTable, state: Owner, batch: StepBatch) -> PrefixPlan:
+    """Check the prefix items of ``batch`` (its slot columns and lengths are checked
+    already); change nothing. O(items + pages to insert)."""
+    rel, cs, ms = batch.release_slots, batch.cache_slots, batch.match_slots
+    if cs.size:
+        slots.check(state, cs, "cache_slots", rel)
+    if ms.size:
+        slots.check(state, ms, "match_slots", rel)
+        _check_match(slots, batch)
+    if cache.enabled and cache.num_entries:
+        _check_truncates(cache, table, slots, batch)
+    plan = PrefixPlan([], [])
+    if batch.release_tokens is not None and rel.size:
+        have = slots.alloced[rel].astype(np.int64)
+        plan.release_keys = _keys(cache, table, state, rel, batch.release_tokens, have, "release_token_ids")
+    if cs.size and batch.cache_tokens is not None:
+        have = lengths_after_truncates(slots, batch, cs)
+        plan.cache_keys = _keys(cache, table, state, cs, batch.cache_tokens, have, "cache_token_ids")
+    return plan
+
+
+def _check_match(slots: RequestSlots, batch: StepBatch) -> None:
+    ms = batch.match_slots
+    cur = lengths_after_truncates(slots, batch, ms)
+    raise_first(
+        cur != 0,
+        lambda i: KVMemError(
+            Reason.ALLOCED_LEN_MISMATCH,
+            f"match_slots[{i}]: request slot {int(ms[i])} has alloced_len {int(cur[i])}; a match needs a fresh "
+            "request (alloced_len 0)",
+            index=i,
+            slot=int(ms[i]),
+            alloced_len=int(cur[i]),
+        ),
+    )
+    limits = batch.match_max_tokens
+    if limits is not None and limits.size:
+        raise_first(
+            limits < NO_EXPECTATION,
+            lambda i: KVMemError(
+                Reason.BAD_VALUE, f"match_max_tokens[{i}] must be >= 0 (or -1 for none), got {int(limits[i])}", index=i
+            ),
+        )
+
+
+def check_matched_allocs(slots: RequestSlots, batch: StepBatch) -> None:
+    """An alloc of a slot matched in the same step carries no expected length (the
+    match decides it). Checked before the alloc expectations themselves. O(n)."""
+    expected = batch.expectations()
+    if expected is not None and batch.match_slots.size:
+        ms = batch.match_slots
+        scratch = slots.scratch
+        al = batch.alloc_slots
+        scratch[al] = 0
+        scratch[ms] = 1
+        raise_first(
+            (scratch[al] == 1) & (expected != NO_EXPECTATION),
+            lambda i: KVMemError(
+                Reason.BAD_VALUE,
+                f"alloc_expected_lens[{i}] = {int(expected[i])}: request slot {int(al[i])} is matched in this step, "
+                "so its length is not known in advance; send -1",
+                index=i,
+            ),
+        )
+
+
+def _check_truncates(cache: PrefixCache, table: BlockTable, slots: RequestSlots, batch: StepBatch) -> None:
+    """PAGE_SHARED: a truncate to the middle of a cached page (the request would write
+    into a page the cache shares)."""
+    tr, lens = batch.truncate_slots, batch.truncate_lens
+    if not tr.size:
+        return
+    ps = table.page_size
+    cur = slots.alloced[tr]
+    partial = (lens % ps != 0) & (lens < cur)
+    if not np.count_nonzero(partial):
+        return
+    pages = np.zeros(tr.size, dtype=np.int32)
+    pages[partial] = table.flat[tr[partial] * table.width + lens[partial] // ps]
+    bad = partial & cache.cached[pages]
+
+    def error(i: int) -> KVMemError:
+        n, page = int(lens[i]), int(pages[i])
+        return KVMemError(
+            Reason.PAGE_SHARED,
+            f"truncate_lens[{i}] = {n} would leave request slot {int(tr[i])} writing into page {page}, a page of the "
+            f"prefix cache that other requests may share; truncate to a page boundary ({n // ps * ps}) instead",
+            index=i,
+            slot=int(tr[i]),
+            page=page,
+        )
+
+    raise_first(bad, error)
+
+
+def _keys(
+    cache: PrefixCache,
+    table: BlockTable,
+    state: Owner,
+    which: np.ndarray,
+    tokens: TokenLists,
+    have: np.ndarray,
+    column: str,
+) -> list[list[bytes] | None]:
+    """Per item: the keys of its full pages, checked against the keys its row's pages
+    are already cached under. O(items + pages)."""
+    lengths = tokens.lengths()
+    raise_first(
+        lengths > have,
+        lambda i: KVMemError(
+            Reason.ALLOCED_LEN_MISMATCH,
+            f"{column}[{i}] has {int(lengths[i])} tokens, beyond alloced_len {int(have[i])} of request slot "
+            f"{int(which[i])}",
+            index=i,
+            slot=int(which[i]),
+        ),
+    )
+    if not cache.enabled:
+        return [None] * int(which.size)
+    ps, ns = table.page_size, state.namespace
+    root = cache.root(ns)
+    out: list[list[bytes] | None] = []
+    for i, (slot, n) in enumerate(zip(which.tolist(), (lengths // ps).tolist(), strict=True)):
+        if not n:
+            out.append(None)
+            continue
+        keys = list(cache.page_keys.keys(ns, root, tokens.item(i), n, ps))
+        row = table.array[slot, :n]
+        flags, known = cache.cached[row].tolist(), cache.key[row].tolist()
+        for col, (is_cached, was, key) in enumerate(zip(flags, known, keys, strict=True)):
+            if is_cached and was != key:
+                raise KVMemError(
+                    Reason.BAD_VALUE,
+                    f"{column}[{i}]: the tokens of page {col} of request slot {slot} differ from those it is cached "
+                    "with (it was matched or cached with other tokens)",
+                    index=i,
+                    slot=slot,
+                    page_index=col,
+                )
+        out.append(keys)
+    return out
+
+
+def insert_released(cache: PrefixCache, table: BlockTable, batch: StepBatch, plan: PrefixPlan, ns: str) -> None:
+    """Release items' full pages enter the cache (before the release drops them, so
+    those left unreferenced wait in the evictable queue). A page whose key the cache
+    has on another page is not inserted: the release frees it, the cache's is kept."""
+    tokens = batch.release_tokens
+    if tokens is None:
+        return
+    root = cache.root(ns)
+    for i, (slot, keys) in enumerate(zip(batch.release_slots.tolist(), plan.release_keys, strict=True)):
+        if keys:
+            cache.insert(table.array[slot, : len(keys)].tolist(), keys, tokens.item(i), ns, root)
+
+
+def cache_rows(
+    cache: PrefixCache, pool: PagePool, table: BlockTable, batch: StepBatch, plan: PrefixPlan, ns: str
+) -> tuple[np.ndarray, list[int]]:
+    """Cache items: insert each running request's full pages; where the cache has an
+    equal page elsewhere, the row is switched to it and the request's duplicate freed.
+    Returns pages switched per item (int32) and the slots whose rows changed."""
+    tokens = batch.cache_tokens
+    n = int(batch.cache_slots.size)
+    switched = np.zeros(n, dtype=np.int32)
+    changed: list[int] = []
+    if tokens is None or not cache.enabled:
+        return switched, changed
+    root = cache.root(ns)
+    for i, (slot, keys) in enumerate(zip(batch.cache_slots.tolist(), plan.cache_keys, strict=True)):
+        if not keys:
+            continue
+        row = table.array[slot, : len(keys)]
+        kept = np.array(cache.insert(row.tolist(), keys, tokens.item(i), ns, root), dtype=np.int32)
+        moved = kept != row
+        count = int(np.count_nonzero(moved))
+        if count:
+            new, old = kept[moved], row[moved].copy()
+            row[moved] = new
+            pool.share(new)
+            pool.unref(old)
+            switched[i] = count
+            changed.append(slot)
+    return switched, changed
+
+
+def match(
+    cache: PrefixCache,
+    pool: PagePool,
+    table: BlockTable,
+    slots: RequestSlots,
+    state: Owner,
+    batch: StepBatch,
+    quota: int | None,
+    max_context_len: int,
+) -> np.ndarray:
+    """Match items: attach each fresh request's longest run of cached pages (at most
+    ``min(len, max_tokens)`` tokens, within the context limit and the owner's quota),
+    write them into its row and set its ``alloced_len``. Returns tokens matched per
+    item (int32)."""
+    ms, tokens = batch.match_slots, batch.match_tokens
+    n = int(ms.size)
+    if not n or tokens is None:
+        return NO_INT32
+    lens = np.zeros(n, dtype=np.int32)
+    limits = tokens.lengths()
+    if batch.match_max_tokens is not None and batch.match_max_tokens.size:
+        cap = batch.match_max_tokens
+        limits = np.where(cap >= 0, np.minimum(limits, cap), limits)
+    queried = int(limits.sum())
+    state.prefix_query_tokens += queried
+    cache.query_tokens += queried
+    if not cache.enabled or not cache.num_entries:
+        return lens
+    ps, ns, get = table.page_size, state.namespace, cache.index.get
+    root = cache.root(ns)
+    most = max_context_len // ps
+    quota_left = None if quota is None else quota - state.num_pages_held
+    attached: list[int] = []
+    for i, (slot, limit) in enumerate(zip(ms.tolist(), limits.tolist(), strict=True)):
+        k = min(limit // ps, most)
+        if quota_left is not None:
+            k = min(k, max(quota_left, 0))
+        run: list[int] = []
+        for key in cache.page_keys.keys(ns, root, tokens.item(i), k, ps):
+            page = get(key)
+            if page is None:
+                break
+            run.append(page)
+        m = len(run)
+        if m:
+            table.array[slot, :m] = run
+            slots.alloced[slot] = m * ps
+            lens[i] = m * ps
+            attached.extend(run)
+            if quota_left is not None:
+                quota_left -= m
+    if attached:
+        pool.share(np.array(attached, dtype=np.int32))
+        state.num_pages_held += len(attached)
+        hits = len(attached) * ps
+        state.prefix_hit_tokens += hits
+        cache.hit_tokens += hits
+    return lens
