@@ -52,7 +52,7 @@ Scenarios (pages of 16 tokens):
                cache: the first scheduler's first request allocs its prompt and caches it
                with a cache item (chunked-prefill style); every other request (31 of the
                first scheduler, 32 of the second) matches with ``len - 1`` tokens (one
-               token left to compute) and allocs the rest. Without: the same requests on
+               token left to compute) and allocs the rest in the same Step. Without: the same requests on
                a core with the prefix cache off. Reported: the pages in use (held by any
                request) in both, their ratio, and the system prompt's copies in each
                (expected: 1 instead of 64).
@@ -676,14 +676,18 @@ def scenario_sharing() -> dict[str, Any]:
                 check(res.num_refused == 0, "sharing: first alloc")
                 res = core.step(owner, StepBatch.of(cache=[(int(slots[0]), mine[0])]))
                 start = 1
-            # The rest: match (keeping one token to compute), then alloc the remainder.
+            # The rest, in one Step: match (keeping one token to compute) and alloc the
+            # whole length, of which the server allocates what the match left.
             rest = slots[start:]
             res = core.step(
-                owner, StepBatch.of(match=[(int(sl), p, length - 1) for sl, p in zip(rest, mine[start:], strict=True)])
+                owner,
+                StepBatch.of(
+                    match=[(int(sl), p, length - 1) for sl, p in zip(rest, mine[start:], strict=True)],
+                    alloc_slots=rest,
+                    alloc_needs=[length] * len(rest),
+                ),
             )
-            lens = res.match_lens.astype(np.int64)
-            matched.extend(lens.tolist())
-            res = core.step(owner, StepBatch(alloc_slots=rest, alloc_needs=length - lens))
+            matched.extend(res.match_lens.tolist())
             check(res.num_refused == 0, "sharing: alloc of the remainders")
         st = core.stats()
         held = sum(core.pages_held(o) for o in owners)

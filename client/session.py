@@ -156,8 +156,10 @@ class Session:
           fresh requests (alloced_len 0): attach the longest run of cached full pages of
           at most ``max_tokens`` tokens (None: no limit; pass ``len - 1`` to keep one
           token to compute), written into the row; ``StepResult.match_lens`` says how
-          many tokens. An alloc of the same slot in this step extends from there (give
-          it no expected length).
+          many tokens. An alloc of the same slot in this step asks for the request's
+          whole length (``need`` counts from 0: the match is not known when the step is
+          sent) and gets the remainder, ``need - matched`` tokens from the match's end
+          (give it no expected length).
         """
         # One constructor call with only the columns given: a column left at its default
         # costs nothing, and on a client whose caches are cold between steps (as when many

@@ -225,7 +225,7 @@ def test_parents_outlive_their_children_and_a_chain_regrows() -> None:
     assert removed == [keys[2], keys[1]]
     core.step(a, StepBatch.of(release_slots=[slot, big]))
     (again,) = core.open(a, ["again"]).tolist()
-    result = core.step(a, StepBatch.of(match=[(again, prompt)], alloc_slots=[again], alloc_needs=[8]))
+    result = core.step(a, StepBatch.of(match=[(again, prompt)], alloc_slots=[again], alloc_needs=[12]))
     assert result.match_lens.tolist() == [4]
     result = core.step(a, StepBatch.of(release_slots=[again], release_tokens=[prompt]))
     assert result.num_pages_cached == 2
@@ -249,7 +249,7 @@ def test_the_whole_step_order_in_one_call() -> None:
             release_tokens=[prompt],
             match=[(fresh, [*prompt, 1, 2, 3], len(prompt) + 2)],
             alloc_slots=[fresh],
-            alloc_needs=[5],
+            alloc_needs=[13],  # the whole length: the remainder after the match is allocated
             alloc_expected_lens=[-1],
         ),
     )
@@ -359,3 +359,91 @@ def test_snapshot_lists_every_cached_page_parents_first() -> None:
         assert e.parent_key is None or e.parent_key in seen
         seen.add(e.keys[0])
     assert seen == set(core.cache.index)
+
+
+@pytest.mark.parametrize("how", ["release", "truncate", "remove_owner"])
+def test_rows_that_share_a_descending_chain_let_go_together(how: str) -> None:
+    """Two requests holding the same cached chain let go in one call (the pages are
+    listed twice): the queue still holds the chain end first, even where the chain's
+    first page has the higher id, so eviction takes the end, never the parent.
+    (Found by the wire fuzzer: pages sorted by id put the parent first.)"""
+    core = KVCore(CoreConfig(num_pages=4, page_size=4, max_requests=8, max_context_len=32), audit_every_step=True)
+    a = core.add_owner()
+    x, y = core.open(a, ["x", "y"]).tolist()
+    core.step(a, StepBatch.of(alloc_slots=[x], alloc_needs=[8]))  # x: [1, 2]
+    core.step(a, StepBatch.of(release_slots=[x]))  # the free stack's top: 2, then 1
+    core.step(a, StepBatch.of(alloc_slots=[y], alloc_needs=[8]))  # y: [2, 1]: the parent has the higher id
+    toks = list(range(8))
+    core.step(a, StepBatch.of(release_slots=[y], release_tokens=[toks]))  # cached chain 2 -> 1
+    holder = core.add_owner() if how == "remove_owner" else a
+    r1, r2 = core.open(holder, ["r1", "r2"]).tolist()
+    core.step(holder, StepBatch.of(match=[(r1, toks), (r2, toks)]))
+    if how == "release":
+        core.step(a, StepBatch.of(release_slots=[r1, r2]))
+    elif how == "truncate":
+        core.step(a, StepBatch.of(truncate_slots=[r1, r2], truncate_lens=[0, 0]))
+    else:
+        core.remove_owner(holder)
+    assert core.cache.queued().tolist() == [1, 2]  # the end (page 1) first
+    (z,) = core.open(a, ["z"]).tolist()
+    core.step(a, StepBatch.of(alloc_slots=[z], alloc_needs=[8]))  # page 3 and one eviction: the chain's end
+    (probe,) = core.open(a, ["probe"]).tolist()
+    assert core.step(a, StepBatch.of(match=[(probe, toks)])).match_lens.tolist() == [4]
+
+
+def test_a_duplicate_found_by_a_release_is_queued_in_its_chain_place() -> None:
+    """A release with tokens whose first page is already cached elsewhere (Q): the row
+    switches to Q before the release, so Q is queued with the chain, after its new
+    child, and an eviction of one page takes the child, never Q. (Found by reading the
+    server for the wire fuzzer: Q left where it was in the queue was older than the
+    child, so evicted first, leaving a cached page without its parent.)"""
+    core, _ = make(num_pages=9)
+    a = core.add_owner()
+    t = tokens(8)
+    s1, s2 = core.open(a, ["x", "y"]).tolist()
+    core.step(a, StepBatch.of(alloc_slots=[s1, s2], alloc_needs=[4, 8]))
+    core.step(a, StepBatch.of(release_slots=[s1], release_tokens=[t[:4]]))  # Q cached, evictable
+    q = core.cache.queued().tolist()
+    core.step(a, StepBatch.of(release_slots=[s2], release_tokens=[t]))  # page 0 duplicates Q
+    queued = core.cache.queued().tolist()
+    assert queued[-1] == q[0] and len(queued) == 2  # the child, then Q (newest)
+    (z,) = core.open(a, ["z"]).tolist()
+    core.step(a, StepBatch.of(alloc_slots=[z], alloc_needs=[4 * (core.pool.num_free + 1)]))  # evicts one page
+    (probe,) = core.open(a, ["probe"]).tolist()
+    assert core.step(a, StepBatch.of(match=[(probe, t)])).match_lens.tolist() == [4]
+
+
+def test_a_duplicate_held_by_a_row_released_in_the_same_step() -> None:
+    core, _ = make(num_pages=9)
+    a = core.add_owner()
+    t = tokens(8)
+    s1, s2 = core.open(a, ["x", "y"]).tolist()
+    core.step(a, StepBatch.of(alloc_slots=[s1, s2], alloc_needs=[4, 8]))
+    core.step(a, StepBatch.of(cache=[(s1, t[:4])]))
+    core.step(a, StepBatch.of(release_slots=[s2, s1], release_tokens=[t, None]))
+    (z,) = core.open(a, ["z"]).tolist()
+    core.step(a, StepBatch.of(alloc_slots=[z], alloc_needs=[4 * (core.pool.num_free + 1)]))
+    (probe,) = core.open(a, ["probe"]).tolist()
+    assert core.step(a, StepBatch.of(match=[(probe, t)])).match_lens.tolist() == [4]
+
+
+def test_bad_slots_beside_a_match_are_not_found_never_a_crash() -> None:
+    core, _ = make()
+    a = core.add_owner()
+    (s,) = core.open(a, ["r"]).tolist()
+    for batch in (
+        StepBatch.of(match=[(s, tokens(8))], alloc_slots=[1_000_000], alloc_needs=[1], alloc_expected_lens=[-1]),
+        StepBatch.of(match=[(1_000_000, tokens(8))], alloc_slots=[s], alloc_needs=[1], alloc_expected_lens=[-1]),
+        StepBatch.of(match=[(9, tokens(8))], alloc_slots=[-1], alloc_needs=[1], alloc_expected_lens=[3]),
+    ):
+        with pytest.raises(KVMemError) as err:
+            core.step(a, batch)
+        assert err.value.reason is Reason.SLOT_NOT_FOUND, err.value
+
+
+def test_match_max_tokens_without_match_items_is_a_length_mismatch() -> None:
+    core, _ = make()
+    a = core.add_owner()
+    with pytest.raises(KVMemError) as err:
+        core.step(a, StepBatch(match_max_tokens=np.array([3, 4], dtype=np.int64)))
+    assert err.value.reason is Reason.LENGTH_MISMATCH

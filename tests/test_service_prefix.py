@@ -179,9 +179,10 @@ def test_release_with_tokens_then_a_match_in_another_session_shares_the_pages(
         s = snapshot(stub)
         assert (int(s["numCachedPages"]), int(s["numCacheEntries"]), int(s["numFreePages"])) == (2, 2, 254)
 
-        # B (same namespace) matches the prompt and allocs the rest in the same step.
+        # B (same namespace) matches the prompt and allocs the rest in the same step: the
+        # alloc asks for the whole length (10) and gets what the match left (2).
         [b] = B.open(["same-prompt"]).tolist()
-        res = B.step(match=[(b, PROMPT)], alloc_slots=[b], alloc_needs=[2])
+        res = B.step(match=[(b, PROMPT)], alloc_slots=[b], alloc_needs=[len(PROMPT)])
         assert res.match_lens.tolist() == [8] and res.ok
         assert res.kv_loc.tolist() == [12, 13]  # tokens 8, 9 on page 3, the next free one
         assert B.block_table[b][:4].tolist() == [1, 2, 3, 0]  # row b: [1, 2, 3]  len 10; pages 1, 2 shared
@@ -373,7 +374,7 @@ def test_a_second_process_matches_the_prompt_and_reads_the_first_ones_kv_in_plac
 
         with KVMemClient(server.target, name="reader") as kv:  # the writer has detached: its pages are cache-only
             [slot] = kv.open(["same-prompt"]).tolist()
-            res = kv.step(match=[(slot, PROMPT)], alloc_slots=[slot], alloc_needs=[2])
+            res = kv.step(match=[(slot, PROMPT)], alloc_slots=[slot], alloc_needs=[len(PROMPT)])
             assert res.match_lens.tolist() == [8]
             row = kv.block_table[slot].tolist()
             loc = torch.tensor([row[t // PS] * PS + t % PS for t in range(8)])

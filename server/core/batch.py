@@ -198,7 +198,14 @@ class StepBatch:
             or (expected is not None and expected.size > max_items)
         ):
             raise self._too_many_items(max_items)
-        if self.release_tokens is not None or self.cache_slots.size or self.match_slots.size:
+        if (
+            self.release_tokens is not None
+            or self.cache_slots.size
+            or self.match_slots.size
+            or self.cache_tokens is not None
+            or self.match_tokens is not None
+            or self.match_max_tokens is not None
+        ):
             self._check_prefix_lengths(max_items)
         if tr != self.truncate_lens.size:
             raise _mismatch("truncate_slots", tr, "truncate_lens", self.truncate_lens.size)

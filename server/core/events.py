@@ -1,7 +1,9 @@
 """What the prefix cache reports: pages stored, pages removed, everything cleared.
 
 The core collects these per mutating call and hands them to its event sink (the
-server's replay buffer, which feeds WatchEvents and the vLLM-format publisher).
+server's replay buffer, which feeds WatchEvents and the vLLM-format publisher). They
+are plain dataclasses, never changed once made (not frozen: a frozen one costs about
+twice as much to build, and an evicting Step builds one).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 import numpy as np
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class PagesStored:
     """Consecutive pages of one chain entered the cache: ``keys`` in chain order,
     ``parent_key`` the first one's parent (None: a chain's first page), ``token_ids``
@@ -24,14 +26,14 @@ class PagesStored:
     namespace: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class PagesRemoved:
     """Pages left the cache (evicted, or rewritten by their only holder)."""
 
     keys: list[bytes]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class AllCleared:
     """The cache holds nothing (a new server run)."""
 

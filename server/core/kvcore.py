@@ -156,8 +156,6 @@ class KVCore:
                 self._finish()
                 return fast
         ms = batch.match_slots
-        if ms.size:
-            prefix_step.check_matched_allocs(self.slots, batch)
         cur = steps.validate(self.slots, state, batch)
         plan = None
         if prefix or (tr.size and cache.enabled and cache.num_entries):
@@ -165,24 +163,25 @@ class KVCore:
         dropped = 0
         if rel.size:
             if plan is not None and plan.release_keys:
-                prefix_step.insert_released(cache, self.table, batch, plan, state.namespace)
+                prefix_step.insert_released(cache, self.pool, self.table, batch, plan, state.namespace)
             dropped += steps.release(self.slots, self.table, state, rel)
         if tr.size:
             dropped += steps.truncate(self.slots, self.table, state, tr, batch.truncate_lens)
         switched, changed = NO_INT32, list[int]()
         if plan is not None and batch.cache_slots.size:
             switched, changed = prefix_step.cache_rows(cache, self.pool, self.table, batch, plan, state.namespace)
-        lens = NO_INT32
+        lens, needs = NO_INT32, batch.alloc_needs
         if ms.size:
             lens = prefix_step.match(
                 cache, self.pool, self.table, self.slots, state, batch, quota_pages, self.config.max_context_len
             )
             if cur is not None:
                 cur = self.slots.alloced[al]  # matched slots start where their match ended
+                needs = prefix_step.remainders(self.slots, batch, lens)
         if cur is None:
             result = no_allocs(dropped)
         else:
-            result = self._allocator.alloc(state, al, batch.alloc_needs, cur, batch.atomic, quota_pages)
+            result = self._allocator.alloc(state, al, needs, cur, batch.atomic, quota_pages)
             result.num_pages_released = dropped
         if prefix:
             result.match_lens, result.cache_switched = lens, switched

@@ -134,8 +134,11 @@ class PagePool:
         return CorruptionError(f"unref of page ids outside [1, {self.num_pages}): {bad}", pages=bad)
 
     def _unref_repeated(self, pages: np.ndarray, hold: list[np.ndarray] | None) -> int:
-        """:meth:`unref` of a list with repeated pages (nothing changed yet). O(P log P)."""
-        pages, times = np.unique(pages, return_counts=True)
+        """:meth:`unref` of a list with repeated pages (nothing changed yet). O(P log P).
+        The pages freed keep the order of their first appearance: rows listed one after
+        another name a page's parent before the page (one column earlier in every row
+        that holds it), and the cache's evictable queue relies on that order."""
+        pages, first, times = np.unique(pages, return_index=True, return_counts=True)
         idx = pages.astype(np.intp)
         counts = self.ref_cnt[idx]
         short = counts < times
@@ -144,7 +147,8 @@ class PagePool:
             raise CorruptionError(f"double free of page(s) {bad}", pages=bad)
         counts -= times
         self._words.word[idx] = counts
-        return self._push(pages[counts == 0], hold)
+        freed = counts == 0
+        return self._push(pages[freed][np.argsort(first[freed], kind="stable")], hold)
 
     def share(self, pages: np.ndarray) -> None:
         """One more reference to each of ``pages`` (cached pages a match or a cache

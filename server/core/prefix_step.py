@@ -47,8 +47,7 @@ def validate(cache: PrefixCache, slots: RequestSlots, table: BlockTable, state: 
     rel, cs, ms = batch.release_slots, batch.cache_slots, batch.match_slots
     if cs.size:
         slots.check(state, cs, "cache_slots", rel)
-    if ms.size:
-        slots.check(state, ms, "match_slots", rel)
+    if ms.size:  # its slots are checked (steps.validate)
         _check_match(slots, batch)
     if cache.enabled and cache.num_entries:
         _check_truncates(cache, table, slots, batch)
@@ -82,27 +81,6 @@ def _check_match(slots: RequestSlots, batch: StepBatch) -> None:
             limits < NO_EXPECTATION,
             lambda i: KVMemError(
                 Reason.BAD_VALUE, f"match_max_tokens[{i}] must be >= 0 (or -1 for none), got {int(limits[i])}", index=i
-            ),
-        )
-
-
-def check_matched_allocs(slots: RequestSlots, batch: StepBatch) -> None:
-    """An alloc of a slot matched in the same step carries no expected length (the
-    match decides it). Checked before the alloc expectations themselves. O(n)."""
-    expected = batch.expectations()
-    if expected is not None and batch.match_slots.size:
-        ms = batch.match_slots
-        scratch = slots.scratch
-        al = batch.alloc_slots
-        scratch[al] = 0
-        scratch[ms] = 1
-        raise_first(
-            (scratch[al] == 1) & (expected != NO_EXPECTATION),
-            lambda i: KVMemError(
-                Reason.BAD_VALUE,
-                f"alloc_expected_lens[{i}] = {int(expected[i])}: request slot {int(al[i])} is matched in this step, "
-                "so its length is not known in advance; send -1",
-                index=i,
             ),
         )
 
@@ -184,33 +162,37 @@ def _keys(
     return out
 
 
-def insert_released(cache: PrefixCache, table: BlockTable, batch: StepBatch, plan: PrefixPlan, ns: str) -> None:
-    """Release items' full pages enter the cache (before the release drops them, so
-    those left unreferenced wait in the evictable queue). A page whose key the cache
-    has on another page is not inserted: the release frees it, the cache's is kept."""
-    tokens = batch.release_tokens
-    if tokens is None:
-        return
-    root = cache.root(ns)
-    for i, (slot, keys) in enumerate(zip(batch.release_slots.tolist(), plan.release_keys, strict=True)):
-        if keys:
-            cache.insert(table.array[slot, : len(keys)].tolist(), keys, tokens.item(i), ns, root)
-
-
-def cache_rows(
+def insert_released(
     cache: PrefixCache, pool: PagePool, table: BlockTable, batch: StepBatch, plan: PrefixPlan, ns: str
+) -> None:
+    """Release items' full pages enter the cache (before the release drops them, so
+    those left unreferenced wait in the evictable queue). Where the cache has a key on
+    another page, the row is first switched to the cache's page and the request's copy
+    freed (the cache's is kept): the release then lets go of the cache's page in its
+    chain's place, so the evictable queue keeps every chain's end before its beginning
+    (a cache's page left where it was, older than the children just queued, would be
+    evicted before them)."""
+    if batch.release_tokens is None:
+        return
+    _insert_rows(cache, pool, table, batch.release_slots, batch.release_tokens, plan.release_keys, ns)
+
+
+def _insert_rows(
+    cache: PrefixCache,
+    pool: PagePool,
+    table: BlockTable,
+    which: np.ndarray,
+    tokens: TokenLists,
+    plan_keys: list[list[bytes] | None],
+    ns: str,
 ) -> tuple[np.ndarray, list[int]]:
-    """Cache items: insert each running request's full pages; where the cache has an
-    equal page elsewhere, the row is switched to it and the request's duplicate freed.
-    Returns pages switched per item (int32) and the slots whose rows changed."""
-    tokens = batch.cache_tokens
-    n = int(batch.cache_slots.size)
-    switched = np.zeros(n, dtype=np.int32)
+    """Insert each item's full pages; switch its row to the cache's page wherever the
+    key is cached on another page (sharing it, freeing the row's own). Returns pages
+    switched per item and the slots whose rows changed."""
+    switched = np.zeros(int(which.size), dtype=np.int32)
     changed: list[int] = []
-    if tokens is None or not cache.enabled:
-        return switched, changed
     root = cache.root(ns)
-    for i, (slot, keys) in enumerate(zip(batch.cache_slots.tolist(), plan.cache_keys, strict=True)):
+    for i, (slot, keys) in enumerate(zip(which.tolist(), plan_keys, strict=True)):
         if not keys:
             continue
         row = table.array[slot, : len(keys)]
@@ -225,6 +207,18 @@ def cache_rows(
             switched[i] = count
             changed.append(slot)
     return switched, changed
+
+
+def cache_rows(
+    cache: PrefixCache, pool: PagePool, table: BlockTable, batch: StepBatch, plan: PrefixPlan, ns: str
+) -> tuple[np.ndarray, list[int]]:
+    """Cache items: insert each running request's full pages; where the cache has an
+    equal page elsewhere, the row is switched to it and the request's duplicate freed.
+    Returns pages switched per item (int32) and the slots whose rows changed."""
+    tokens = batch.cache_tokens
+    if tokens is None or not cache.enabled:
+        return np.zeros(int(batch.cache_slots.size), dtype=np.int32), []
+    return _insert_rows(cache, pool, table, batch.cache_slots, tokens, plan.cache_keys, ns)
 
 
 def match(
@@ -285,3 +279,15 @@ def match(
         state.prefix_hit_tokens += hits
         cache.hit_tokens += hits
     return lens
+
+
+def remainders(slots: RequestSlots, batch: StepBatch, lens: np.ndarray) -> np.ndarray:
+    """Alloc needs once the matches applied: an alloc of a slot matched in this step
+    asks for the request's whole length (its sender could not know the match), so it
+    gets what the match did not cover, ``max(need - matched, 0)``; others are as sent.
+    O(n)."""
+    al, ms = batch.alloc_slots, batch.match_slots
+    scratch = slots.scratch
+    scratch[al] = 0
+    scratch[ms] = lens
+    return np.maximum(batch.alloc_needs - scratch[al], 0)

@@ -22,12 +22,14 @@ def validate(slots: RequestSlots, state: Owner, batch: StepBatch) -> np.ndarray 
     """Check every item of ``batch`` (lengths already checked); change nothing.
     Returns each alloc item's length before its alloc (after this step's truncates),
     or None when there are no allocs. O(n)."""
-    rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
+    rel, tr, al, ms = batch.release_slots, batch.truncate_slots, batch.alloc_slots, batch.match_slots
     if rel.size:
         slots.check(state, rel, "release_slots")
     if tr.size:
         slots.check(state, tr, "truncate_slots", rel)
         _check_truncate_lens(tr, batch.truncate_lens, slots.alloced[tr])
+    if ms.size:
+        slots.check(state, ms, "match_slots", rel)
     if not al.size:
         return None
     slots.check(state, al, "alloc_slots", rel)
@@ -44,8 +46,32 @@ def validate(slots: RequestSlots, state: Owner, batch: StepBatch) -> np.ndarray 
         cur = slots.alloced[al]
     expected = batch.expectations()
     if expected is not None:
+        if ms.size:
+            check_matched_allocs(slots, batch)
         _check_expected(al, expected, cur)
     return cur
+
+
+def check_matched_allocs(slots: RequestSlots, batch: StepBatch) -> None:
+    """An alloc of a slot matched in the same step carries no expected length (the
+    match decides it). Called by :func:`validate` once the alloc and match slots
+    are checked, before the alloc expectations. O(n)."""
+    expected = batch.expectations()
+    if expected is not None and batch.match_slots.size:
+        ms = batch.match_slots
+        scratch = slots.scratch
+        al = batch.alloc_slots
+        scratch[al] = 0
+        scratch[ms] = 1
+        raise_first(
+            (scratch[al] == 1) & (expected != NO_EXPECTATION),
+            lambda i: KVMemError(
+                Reason.BAD_VALUE,
+                f"alloc_expected_lens[{i}] = {int(expected[i])}: request slot {int(al[i])} is matched in this step, "
+                "so its length is not known in advance; send -1",
+                index=i,
+            ),
+        )
 
 
 def _check_truncate_lens(tr: np.ndarray, lens: np.ndarray, cur: np.ndarray) -> None:
