@@ -27,6 +27,7 @@ _WHERE = {
     "EventStream": "kvmem.client.events",
     "AsyncEventStream": "kvmem.client.events",
     "MappedMemory": "kvmem.client.memory",
+    "KVAllocator": "kvmem.client.compat",  # the reference allocator's interface (a drop-in)
     **{
         name: "kvmem.client.errors"
         for name in (
@@ -57,6 +58,7 @@ __all__ = [
     "EventStream",
     "FailedPrecondition",
     "InvalidArgument",
+    "KVAllocator",
     "KVMemClient",
     "KVMemError",
     "MappedMemory",

@@ -75,3 +75,14 @@ def test_prefix_bench_runs_and_checks_hold() -> None:
         assert rows[key]["ratio"] > 0, rows[key]
     assert rows["match_socket"]["ratio"] > 0, rows["match_socket"]
     assert report["sharing"]["prompt_copies"] == {"shared": 1.0, "alone": 64.0}
+
+
+@pytest.mark.timeout(120)
+def test_compat_bench_runs_and_checks_hold() -> None:
+    # --quick: a few decode iterations through the drop-in and the reference; its checks
+    # (kv_loc identical to the reference's, one distinct slot per request) exit non-zero.
+    if not (BENCH.parent.parent / "shared" / "reference" / "seed_kv_allocator.py").is_file():
+        pytest.skip("the reference allocator (../shared/reference) is absent: the baseline needs it")
+    report = run_bench("compat_bench.py", "--quick", timeout=110)
+    assert report["iterations_checked"] >= 3 and report["ratio"] > 0
+    assert report["steps"] >= 13  # one Step per iteration (and the prefill's)
