@@ -1,4 +1,4 @@
-"""``kvmem`` command line: ``serve``, ``health``, ``stats``.
+"""``kvmem`` command line: ``serve``, ``health``, ``stats``, ``simulate``.
 
 Every ``serve`` option can also come from a ``KVMEM_*`` environment variable (the
 option's name in upper case, dashes as underscores: ``--page-size`` is
@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_serve(sub)
     _add_client_commands(sub)
+    from kvmem.server.simulate_cli import add_parser as add_simulate  # its options: kvmem.server.simulate_cli
+
+    add_simulate(sub)
     return parser
 
 
@@ -403,6 +406,12 @@ def _serve(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from kvmem.server.simulate import simulate  # imports torch: only when run
+
+    return simulate(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_dash_values(parser, list(sys.argv[1:] if argv is None else argv)))
@@ -416,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.Formatter.converter = time.gmtime
     from kvmem.server.cli_client import health, stats
 
-    handler = {"serve": _serve, "health": health, "stats": stats}[args.command]
+    handler = {"serve": _serve, "health": health, "stats": stats, "simulate": _simulate}[args.command]
     try:
         return handler(args)
     except BrokenPipeError:  # `kvmem stats | head`: the reader left; not an error of ours
