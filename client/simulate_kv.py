@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -122,12 +123,21 @@ class KVPattern:
         return (cols & self.mask).reshape(n, self.num_planes, self.elements)
 
 
+class BlockTable(Protocol):
+    """Rows of page ids by request: the client's block table (by kvmem slot) or the
+    drop-in's ``req_to_page`` (by request index); ``table[row, :n]`` is a tensor."""
+
+    def __getitem__(self, key: Any, /) -> torch.Tensor: ...
+
+
 class KVMemory:
     """A worker's writes and read-backs through the client's mapped KV memory:
     ``planes`` (the client's ``kv_cache()`` views, every rank), ``block_table`` (the
-    client's, host or device), wherever they live (shm on the CPU, CUDA IPC on a GPU)."""
+    client's, host or device, indexed by slot; or the drop-in's ``req_to_page``, indexed
+    by request index: what ``slot`` means below), wherever they live (shm on the CPU,
+    CUDA IPC on a GPU)."""
 
-    def __init__(self, planes: list[Plane], block_table: torch.Tensor, page_size: int) -> None:
+    def __init__(self, planes: list[Plane], block_table: BlockTable, page_size: int) -> None:
         if not planes:
             raise ValueError("no KV planes: the server has no KV memory")
         first = planes[0].tensor

@@ -19,9 +19,11 @@ step, in one Step of the allocator (plus an Open when it admits requests):
    with its computed tokens next iteration, requeued at the front with a backoff; it
    re-prefills what it had, mostly from the cache) and pauses admissions.
 
-The allocator is a :class:`Backend`: kvmem's Step (:mod:`.simulate_worker`) or, for the
-``--baseline`` run, the reference allocator in-process (its adapter lives with the
-command, in ``kvmem.server``).
+The allocator is a :class:`Backend`: kvmem's batched client, one Step
+(:mod:`.simulate_worker`, ``--api client``); the drop-in ``KVAllocator`` driven as a
+scheduler written against the reference allocator drives it (:mod:`.simulate_compat`,
+``--api compat``); or, for the ``--baseline`` run, the reference allocator in-process (its
+adapter lives with the command, in ``kvmem.server``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from .simulate_kv import KVMemory  # torch: imported by the workers that write K/V, not by the command
 
 OK, OUT_OF_PAGES = 0, 1  # AllocStatus values (kvmem.v1); others end the run as errors
+NOT_OPENED = -1  # an admission's status when the backend opens in its step and the server had no request slot
 DECODE, PREFILL, ADMIT = 0, 1, 2
 
 
@@ -80,7 +83,8 @@ class Backend(Protocol):
     page_size: int
 
     def open(self, request_ids: list[str]) -> list[int] | None:
-        """Slots for new requests, or None when there are not enough free slots."""
+        """Slots for new requests, or None when there are not enough free slots (a
+        backend that opens them in its step answers their items NOT_OPENED instead)."""
         ...
 
     def step(self, plan: Plan) -> Outcome: ...
@@ -313,10 +317,7 @@ class Scheduler:
         slots = self.backend.open([f"{live.req.rid}.{live.preemptions}" for live in new])
         self.counters.open_seconds += time.perf_counter() - started
         if slots is None:  # the server's request slots are all taken (other workers): later
-            self.waiting.extendleft(reversed(new))
-            self.counters.no_free_slot += 1
-            self._slots_back_at = self.it + 8
-            self._open_limit = max(1, len(new) // 2)
+            self._not_opened(new)
             return []
         self._open_limit = min(self.max_running, self._open_limit * 2)
         items = []
@@ -337,6 +338,12 @@ class Scheduler:
             self.running.append(live)
         return items
 
+    def _not_opened(self, new: list[Live]) -> None:
+        self.waiting.extendleft(reversed(new))
+        self.counters.no_free_slot += 1
+        self._slots_back_at = self.it + 8
+        self._open_limit = max(1, len(new) // 2)
+
     # ------------------------------------------------------------------ the answer
 
     def _apply(self, out: Outcome, items: list[tuple[Live, int, int]]) -> None:
@@ -347,14 +354,19 @@ class Scheduler:
         hashes: list[np.ndarray] = []
         matched = iter(out.match_lens.tolist())
         oom = 0
+        refused: list[Live] = []
         for i, (live, kind, need) in enumerate(items):
+            s = int(status[i])
             if kind == ADMIT:
                 m = next(matched)
+                if s == NOT_OPENED:  # not admitted after all: nothing of it reached the server
+                    self.running.remove(live)
+                    refused.append(live)
+                    continue
                 live.computed = live.alloced = live.matched = m
                 live.cached_pages = m // self.ps
                 c.prefix_query_tokens += max(live.target - 1, 0)
                 c.prefix_hit_tokens += m
-            s = int(status[i])
             if s == OUT_OF_PAGES:
                 oom += 1
                 continue
@@ -389,6 +401,8 @@ class Scheduler:
                 self.finishing.append(live)
         if self.memory is not None and locs:
             self.memory.write(np.concatenate(locs), np.concatenate(hashes))
+        if refused:
+            self._not_opened(refused)
         c.out_of_pages += oom
         self._pressure = oom > 0
         if oom and self.running:

@@ -1,12 +1,15 @@
 """A ``kvmem simulate`` worker process: one scheduler (:mod:`.simulate_scheduler`) on
-kvmem's batched client, writing and checking K/V through the mapped memory.
+kvmem's batched client (``--api client``) or on the drop-in for the reference
+allocator's users (``--api compat``, :mod:`.simulate_compat`), writing and checking K/V
+through the mapped memory.
 
 The command (``kvmem.server.simulate``) starts these with multiprocessing's spawn and
 reads their messages from a queue, each a dict with a ``kind``:
 
 * ``ready``: attached and mapped; the worker waits for the ``go`` event;
 * ``progress``: the cumulative :class:`~.simulate_scheduler.Counters`, the Step
-  latencies since the last message (seconds), requests running and waiting;
+  latencies since the last message (seconds), requests running and waiting, the
+  allocator's round trips to the server (Steps and Opens);
 * ``done``: the last progress, the workload digest, ``stopped`` if told to stop early;
 * ``failure``: a page read back wrong (the message names the request, page and
   position); ``error``: anything else that ended the worker (a traceback).
@@ -22,10 +25,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .simulate_scheduler import Outcome, Plan, Scheduler, SimulationFailure
 from .simulate_workload import WorkloadSpec
+
+if TYPE_CHECKING:
+    from .simulate_compat import CompatBackend
 
 NAMESPACE = "kvmem-simulate-1"  # the prefix-cache namespace: only simulate's own K/V pattern in it
 
@@ -50,7 +56,8 @@ class WorkerConfig:
     workload's request count ends the run); ``forward_s``: the model's forward pass
     per iteration, slept after each Step (the scheduler's own work comes on top, as in an
     engine that schedules between forward passes); ``corrupt``: the test hook of
-    :class:`~.simulate_scheduler.Scheduler`."""
+    :class:`~.simulate_scheduler.Scheduler`; ``api``: ``client`` (the batched client)
+    or ``compat`` (the drop-in)."""
 
     target: str
     auth_token: str | None
@@ -63,6 +70,7 @@ class WorkerConfig:
     forward_s: float = 0.0
     report_interval_s: float = 0.25
     corrupt: bool = False
+    api: str = "client"
 
 
 class KVMemBackend:
@@ -74,8 +82,10 @@ class KVMemBackend:
         self.kv = kv
         self.page_size = int(kv.geometry.page_size)
         self._no_slot = NoFreeRequestSlot
+        self.round_trips = 0
 
     def open(self, request_ids: list[str]) -> list[int] | None:
+        self.round_trips += 1
         try:
             slots: list[int] = self.kv.open(request_ids).tolist()
         except self._no_slot:
@@ -83,6 +93,7 @@ class KVMemBackend:
         return slots
 
     def step(self, plan: Plan) -> Outcome:
+        self.round_trips += 1
         r = self.kv.step(
             release_slots=plan.release_slots,
             release_token_ids=plan.release_tokens if plan.release_slots else None,
@@ -154,30 +165,52 @@ def worker_main(config: WorkerConfig, messages: Messages, go: Flag, stop: Flag) 
     try:
         import torch
 
-        from .simulate_kv import KVMemory, planes_of
         from .sync import KVMemClient
 
         # Many workers share the host's cores: torch's intra-op thread pool only contends
         # (its small CPU ops here ran 100x slower with 2 threads on a busy 2-core host).
         torch.set_num_threads(1)
 
+        if config.api == "compat":
+            from .simulate_compat import CompatBackend, compat_allocator
+
+            with compat_allocator(config) as allocator:
+                # A switched scheduler reads its block table as req_to_page, by request index.
+                _run(CompatBackend(allocator), allocator.client, allocator.req_to_page, config, messages, go, stop)
+            return
         name = f"simulate-{config.run_id}-w{config.worker}"
         with KVMemClient(config.target, name=name, auth_token=config.auth_token, cache_namespace=NAMESPACE) as kv:
-            mapped = kv.memory
-            planes = planes_of([mapped.kv_cache(rank) for rank in range(mapped.num_ranks)])
-            memory = KVMemory(planes, kv.block_table, int(kv.geometry.page_size))
-            sched = Scheduler(
-                KVMemBackend(kv),
-                memory,
-                config.spec,
-                config.worker,
-                max_running=config.max_running,
-                chunk_tokens=config.chunk_tokens,
-                corrupt=config.corrupt,
-            )
-            drive(sched, config, messages, go, stop)
+            _run(KVMemBackend(kv), kv, kv.block_table, config, messages, go, stop)
     except BaseException as exc:  # reported to the command, which fails the run
         messages.put({"kind": "error", "worker": config.worker, "message": _describe(exc)})
+
+
+def _run(
+    backend: KVMemBackend | CompatBackend,
+    kv: Any,
+    block_table: Any,
+    config: WorkerConfig,
+    messages: Messages,
+    go: Flag,
+    stop: Flag,
+) -> None:
+    """The scheduler on ``backend``, writing through ``kv``'s mapped memory and reading
+    back through ``block_table``."""
+    from .simulate_kv import KVMemory, planes_of
+
+    mapped = kv.memory
+    planes = planes_of([mapped.kv_cache(rank) for rank in range(mapped.num_ranks)])
+    memory = KVMemory(planes, block_table, backend.page_size)
+    sched = Scheduler(
+        backend,
+        memory,
+        config.spec,
+        config.worker,
+        max_running=config.max_running,
+        chunk_tokens=config.chunk_tokens,
+        corrupt=config.corrupt,
+    )
+    drive(sched, config, messages, go, stop, lambda: {"api": config.api, "round_trips": backend.round_trips})
 
 
 def _describe(exc: BaseException) -> str:

@@ -44,6 +44,10 @@ from .simulate_report import (
 from .simulate_server import OwnServer, UsageError, own_server_argv, probe
 
 SAMPLE_S = 0.1  # how often the pool is sampled from Stats
+APIS = {  # --api: what the workers drive kvmem through
+    "compat": "the drop-in KVAllocator, one iteration block each",
+    "client": "the batched client, one Step each",
+}
 
 
 def _spec(args: argparse.Namespace, max_len: int) -> WorkloadSpec:
@@ -230,12 +234,14 @@ def _with_server(
             duration_s=args.duration,
             forward_s=args.forward_ms / 1000,
             corrupt=args.corrupt_one_value and w == 0,
+            api=args.api,
         )
         for w in range(args.workers)
     ]
     amount = f"for {args.duration:g} s" if args.duration is not None else f"{args.requests} requests each"
     print(
-        f"kvmem simulate: {args.workers} workers, {amount} (seed {args.seed}), against {target} "
+        f"kvmem simulate: {args.workers} workers on {APIS[args.api]} (--api {args.api}), {amount} (seed "
+        f"{args.seed}), against {target} "
         f"({server['memory_backend']}, {server['num_pages_total']:,} pages of {server['page_size']} tokens, "
         f"{server['layers']} layers in {server['dtype']}; requests up to {max_len:,} tokens)",
         file=info,
@@ -327,6 +333,7 @@ def _result(args: argparse.Namespace, spec: WorkloadSpec, server: dict[str, Any]
         "ok": run.finished and not (run.failures or run.errors),
         "config": {
             "workers": args.workers,
+            "api": args.api,
             "requests_per_worker": spec.requests,
             "duration_s": args.duration,
             "max_running": args.max_running,
@@ -354,7 +361,11 @@ def _report(args: argparse.Namespace, run: RunState, result: dict[str, Any], inf
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        lines = [f"kvmem simulate: {result['server']['target']}, {args.workers} workers", *worker_table(run)]
+        lines = [
+            f"kvmem simulate: {result['server']['target']}, {args.workers} workers on {APIS[args.api]} "
+            f"(--api {args.api})",
+            *worker_table(run),
+        ]
         lines += summary_lines(run, result)
         if result["baseline"] is not None:
             lines += ["", *comparison_lines(result)]

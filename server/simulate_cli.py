@@ -20,6 +20,14 @@ with speculative drafts, the rejected ones truncated), are preempted when the po
 out of pages (the youngest is released and requeued), and are released with their
 tokens when done, so their pages stay cached for the others. One Step per iteration.
 
+Two ways to drive kvmem (--api): the batched client (KVMemClient.step: the iteration's
+allocs, releases, truncates, caches and matches as columns of one call), or the drop-in
+for schedulers written against the reference allocator (kvmem.client.compat.KVAllocator:
+the reference's per-request alloc(req, need, alloced_len) inside one `with
+allocator.iteration():` block, request indices instead of slots, req_to_page as the block
+table, match_prefix, cache_request and finish for the prefix cache). The same seed gives
+the same workload either way.
+
 Every token's K and V (every layer) is written at its kv_loc through the mapped KV
 memory, with values that depend on the token's whole prefix; before each release the
 worker reads its pages back through the block table, as an attention kernel would, and
@@ -44,7 +52,9 @@ what the numbers mean:
   pool          the server's pages: used (held by requests), cached (held only by the
                 prefix cache, evicted when an alloc needs them), free
   allocator time per iteration
-                Step and Open time per scheduler iteration; with --baseline, beside
+                the allocator's time per scheduler iteration (its Step and Open
+                calls; with --api compat, the drop-in's own work too) and its
+                round trips to the server per iteration; with --baseline, beside
                 the reference allocator's calls in-process
   pages to provision
                 kvmem: the shared pool's peak; reference: the sum of each worker's
@@ -62,6 +72,7 @@ examples:
   kvmem serve &                     # a server at /tmp/kvmem.sock
   kvmem simulate                    # the simulation against it (or, with none, against its own)
   kvmem simulate --workers 8 --duration 30 --json > run.json
+  kvmem simulate --api client       # the batched client instead of the drop-in
   kvmem simulate --baseline --plot pool.png   # beside the reference allocator; pip install 'kvmem[plot]'
 """
 
@@ -190,6 +201,14 @@ def add_parser(sub: Any) -> None:
     )
 
     sched = p.add_argument_group("the schedulers")
+    sched.add_argument(
+        "--api",
+        choices=("compat", "client"),
+        default="compat",
+        help="how the workers drive kvmem: compat, the drop-in KVAllocator with the reference allocator's "
+        "interface (one iteration block per scheduler iteration: one Step, plus an Open when it starts "
+        "requests); client, the batched KVMemClient.step (default: compat)",
+    )
     sched.add_argument(
         "--max-running", metavar="N", type=_integer(1), default=32, help="requests a worker runs at once (default: 32)"
     )

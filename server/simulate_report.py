@@ -195,6 +195,8 @@ def totals(run: RunState) -> dict[str, Any]:
     out["steps_per_s"] = round(out["steps"] / run.elapsed_s, 1) if run.elapsed_s else 0.0
     out["step_latency_us"] = {"p50": round(p50, 1), "p99": round(p99, 1)}
     out["allocator_us_per_iteration"] = round(run.overhead_us(), 1)
+    out["round_trips"] = int(run.total("round_trips"))  # Steps and Opens (0: in-process, the baseline)
+    out["round_trips_per_iteration"] = round(out["round_trips"] / out["steps"], 2) if out["steps"] else 0.0
     out["prefix_hit_rate"] = round(run.hit_rate(), 4)
     return out
 
@@ -211,7 +213,7 @@ def worker_rows(run: RunState) -> list[dict[str, Any]]:
             elapsed_s=round(m.get("elapsed_s", 0.0), 3),
             step_latency_us={"p50": round(p50, 1), "p99": round(p99, 1)},
         )
-        for key in ("peak_pages_held", "mean_pages_held"):
+        for key in ("peak_pages_held", "mean_pages_held", "api", "round_trips"):
             if key in m:
                 row[key] = m[key]
         rows.append(row)
@@ -225,7 +227,8 @@ def summary_lines(run: RunState, result: dict[str, Any]) -> list[str]:
     lines = [
         f"elapsed {t['elapsed_s']:.1f} s: {t['steps']:,} Steps ({t['steps_per_s']:,.0f}/s), step latency p50 "
         f"{us(t['step_latency_us']['p50'])}, p99 {us(t['step_latency_us']['p99'])}; allocator time "
-        f"{us(t['allocator_us_per_iteration'])} per scheduler iteration"
+        f"{us(t['allocator_us_per_iteration'])} per scheduler iteration ({t['round_trips_per_iteration']:.2f} "
+        f"round trips: Steps and Opens)"
     ]
     if pool.get("samples"):
         lines.append(
@@ -252,11 +255,11 @@ def comparison_lines(result: dict[str, Any]) -> list[str]:
     """kvmem beside the reference allocator run in-process, one per worker."""
     k, r = result["totals"], result["baseline"]["totals"]
     pool, base = result["pool"], result["baseline"]
-    n = result["config"]["workers"]
+    n, api = result["config"]["workers"], result["config"].get("api", "client")
     rows = [
         ("allocator time per iteration", us(k["allocator_us_per_iteration"]), us(r["allocator_us_per_iteration"])),
         ("  median", us(k["step_latency_us"]["p50"]), us(r["step_latency_us"]["p50"])),
-        ("  (kvmem: one Step round trip and Opens; reference: its per-request calls)", "", ""),
+        (f"  (kvmem, --api {api}: one Step round trip and Opens; reference: its per-request calls)", "", ""),
         (
             "pages to provision (peak held)",
             f"{pool.get('peak_used_pages', 0):,}",

@@ -6,7 +6,9 @@ The workload of the runs is small (2 workers x 12 requests of about 160 tokens, 
 arriving at once, no simulated forward pass) on the ``server`` fixture's pool of 256
 pages of 4 tokens (conftest): 16 running requests need about twice the pool, so
 requests are preempted (each worker's 8 alone fill it), and most start with one of two
-64-token system prompts, so the prefix cache hits.
+64-token system prompts, so the prefix cache hits. The runs go through the drop-in
+(``--api compat``, the default) and the batched client (``--api client``): the same
+workload, the same checks.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ServerProcess
+from conftest import ServerProcess, start_server
 
 from kvmem.client.simulate_kv import KVPattern, exact_bits
 from kvmem.client.simulate_workload import WorkloadDigest, WorkloadSpec, combined_digest, generate, system_prompts
@@ -114,17 +116,24 @@ def test_help_says_what_it_does_and_what_the_numbers_mean() -> None:
     run = subprocess.run([*CLI, "--help"], capture_output=True, text=True, env=clean_env(), timeout=60)
     assert run.returncode == 0, run.stderr
     for words in ("scheduler worker", "prefix-cache match", "preempted", "block table", "exit status",
-                  "step p50/p99", "prefix hit", "--baseline", "--duration", "--seed", "kvmem[plot]"):  # fmt: skip
+                  "step p50/p99", "prefix hit", "--baseline", "--duration", "--seed", "kvmem[plot]", "--api",
+                  "KVAllocator", "req_to_page", "round trips"):  # fmt: skip
         assert words in run.stdout, words
 
 
-def test_a_short_run_finishes_every_request_and_reports_consistent_totals(server: ServerProcess) -> None:
-    run = simulate("--socket", server.socket_path, *SMALL, "--json")
+@pytest.mark.parametrize("api", ["compat", "client"])
+def test_a_short_run_finishes_every_request_and_reports_consistent_totals(server: ServerProcess, api: str) -> None:
+    """On the drop-in (``KVAllocator``: request indices, per-request calls in one
+    iteration block, ``req_to_page`` for the read-back) and on the batched client: the
+    same loop, the same workload (digest), every page read back as written."""
+    run = simulate("--socket", server.socket_path, *SMALL, "--api", api, "--json")
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(run.stdout)  # stdout is the JSON alone; the live view went to stderr
-    assert "kvmem: done" in run.stderr
+    assert "kvmem: done" in run.stderr and f"(--api {api})" in run.stderr
     t = report["totals"]
     assert report["ok"] and not report["failures"] and not report["errors"]
+    assert report["config"]["api"] == api and [w["api"] for w in report["workers"]] == [api, api]
+    assert 1 <= t["round_trips_per_iteration"] <= 2, t  # one Step, and an Open when it starts requests
     assert report["server"]["started_by_simulate"] is False
     assert t["generated"] == t["done"] == 2 * 12, t
     assert [w["done"] for w in report["workers"]] == [12, 12]
@@ -138,6 +147,26 @@ def test_a_short_run_finishes_every_request_and_reports_consistent_totals(server
     assert report["pool"]["samples"] > 0 and report["pool"]["peak_used_pages"] <= report["server"]["num_pages_total"]
     assert report["workload"]["digest"] == expected_digest(SMALL_SPEC, 2)  # the seed's requests, no others
     assert os.path.exists(server.socket_path)  # a server it did not start is left alone
+
+
+def test_the_drop_in_requeues_admissions_when_the_server_has_no_request_slot(tmpdir_short: str) -> None:
+    """The drop-in opens new requests with its iteration's Step; when the server's
+    request slots are taken, the block is sent again without them and the scheduler
+    requeues them, as when the batched client's Open is refused (4 slots, 8 running)."""
+    srv = start_server(
+        tmpdir_short, "--num-pages", "257", "--page-size", "4", "--max-requests", "4", "--max-context", "256",
+    )  # fmt: skip
+    try:
+        run = simulate("--socket", srv.socket_path, *SMALL, "--workers", "1", "--api", "compat", "--json")
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 workers on the drop-in KVAllocator, one iteration block each (--api compat)" in run.stderr
+    report = json.loads(run.stdout)
+    t = report["totals"]
+    assert report["ok"] and t["done"] == 12 and t["no_free_slot"] > 0, t
+    assert t["verified_requests"] >= t["done"], t
+    assert report["workload"]["digest"] == expected_digest(SMALL_SPEC, 1)
 
 
 def test_without_a_server_it_starts_one_says_so_and_stops_it(tmpdir_short: str) -> None:
@@ -160,8 +189,9 @@ def test_without_a_server_it_starts_one_says_so_and_stops_it(tmpdir_short: str) 
     assert report["workload"]["digest"] == expected_digest(SMALL_SPEC, 2)
 
 
-def test_a_wrong_page_fails_the_run_naming_the_request_page_and_position(server: ServerProcess) -> None:
-    run = simulate("--socket", server.socket_path, *SMALL, "--corrupt-one-value")
+@pytest.mark.parametrize("api", ["compat", "client"])
+def test_a_wrong_page_fails_the_run_naming_the_request_page_and_position(server: ServerProcess, api: str) -> None:
+    run = simulate("--socket", server.socket_path, *SMALL, "--api", api, "--corrupt-one-value")
     assert run.returncode == 1, run.stdout + run.stderr
     failure = next(line for line in run.stderr.splitlines() if line.startswith("FAILURE: "))
     assert "worker 0: request w0-r" in failure and "reads wrong K/V at position" in failure, failure
@@ -175,6 +205,7 @@ def test_baseline_prints_kvmem_and_the_reference_side_by_side(server: ServerProc
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "kvmem (one shared pool)" in out and "reference (in-process)" in out, out
+    assert "2 workers on the drop-in KVAllocator, one iteration block each (--api compat)" in out, out  # the default
     for row in ("allocator time per iteration", "pages to provision (peak held)", "prompt tokens prefilled",
                 "sharing saved"):  # fmt: skip
         assert row in out, out
