@@ -127,6 +127,10 @@ class KVLocResult:
     def __torch_function__(
         cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if func is torch.cat and args and not kwargs and (len(args) == 1 or args[1] in (0, -1)):
+            whole = _cat_of_a_block(args[0])
+            if whole is not None:
+                return whole
         return func(*_tensors(args), **{k: _tensors(v) for k, v in (kwargs or {}).items()})
 
     def __getattr__(self, name: str) -> Any:  # the tensor's attributes: .long(), .shape, .to(...), .numel()
@@ -151,6 +155,26 @@ class KVLocResult:
         if not self.ok:
             return f"KVLocResult(req_pool_index={self.req_pool_index}, {self.status.name})"
         return f"KVLocResult(req_pool_index={self.req_pool_index}, {self.tensor()!r})"
+
+
+def _cat_of_a_block(items: Any) -> torch.Tensor | None:
+    """``torch.cat`` of successful results of one block in call order, without gaps (the
+    usual ``out_cache_loc``): one copy of their run of the Step's ``kv_loc`` instead of
+    a view per item (which costs about a microsecond each). None when ``items`` is
+    anything else: the general path then decides."""
+    if not isinstance(items, (list, tuple)) or not items or type(items[0]) is not KVLocResult:
+        return None
+    ticket = items[0]._ticket
+    view = ticket.view
+    if view is None:
+        return None
+    start = items[0]._i
+    end = start + len(items)
+    if any(type(r) is not KVLocResult or r._ticket is not ticket for r in items):
+        return None
+    if [r._i for r in items] != list(range(start, end)) or view.status[start:end].count(0) != end - start:
+        return None
+    return view.kv_loc[view.offsets[start] : view.offsets[end]].clone()
 
 
 def _tensors(value: Any) -> Any:

@@ -392,6 +392,18 @@ def test_a_block_is_one_step_whatever_the_batch_size(trace_server: ServerProcess
             assert (it.num_round_trips, server_steps(a) - steps) == (2, 1)  # one Open, one Step
             out_cache_loc = torch.cat(results)  # the scheduler's usual line, unchanged
             assert torch.equal(out_cache_loc, it.collect()) and out_cache_loc.dtype == torch.int32
+            # One block's results in call order concatenate as one copy; any other list
+            # (reversed, a subset, mixed with tensors) item by item: the same values.
+            per_item = [res.value for res in results]
+            assert torch.equal(out_cache_loc, torch.cat(per_item))
+            assert torch.equal(torch.cat(results[::-1]), torch.cat(per_item[::-1]))
+            assert torch.equal(torch.cat(results[n // 2 :]), torch.cat(per_item[n // 2 :]))
+            assert torch.equal(
+                torch.cat([*results, torch.zeros(1, dtype=torch.int32)], 0),
+                torch.cat([*per_item, torch.zeros(1, dtype=torch.int32)]),
+            )
+            out_cache_loc[:1] = -1  # a copy: the results keep their values
+            assert torch.equal(torch.cat(results), torch.cat(per_item))
             for i, res in enumerate(results):
                 row = a.req_to_page[i][:2].tolist()
                 assert res.ok and res.value.tolist() == [row[p // PS] * PS + p % PS for p in range(5)]
