@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -51,8 +52,17 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
         """Open the channel and attach; the keep-alive task starts on this loop."""
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = kvmem_pb2_grpc.KVMemoryStub(self._channel)
+        started = time.monotonic()
         try:
-            await self._perform(self._session.attach())
+            while True:
+                try:
+                    await self._perform(self._session.attach())
+                    break
+                except KVMemError as err:
+                    delay = self._session.attach_retry(err, started)
+                    if delay is None:
+                        raise
+                    await asyncio.sleep(delay)
         except BaseException:
             await self._channel.close()
             self._channel = None

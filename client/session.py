@@ -27,6 +27,9 @@ from .channel import auth_metadata
 from .errors import KVMemError, Reason, SessionLost, from_rpc_error
 from .step import NO_COLUMN, IntsLike, StepResult, TokensLike, as_ints, pack_tokens
 
+_UNREACHABLE: Reason = Reason["UNSPECIFIED"]  # gRPC's own UNAVAILABLE: no server there (yet)
+_NOT_READY: Reason = Reason["NOT_READY"]
+
 T = TypeVar("T")
 P = ParamSpec("P")
 Mode = TypeVar("Mode")
@@ -77,7 +80,9 @@ class Session:
         auth_token: str | None,
         keepalive: bool,
         cache_namespace: str = "",
+        wait_for_ready: bool = True,
     ) -> None:
+        self.wait_for_ready = wait_for_ready
         self.name = name
         self.quota_pages = quota_pages
         self.cache_namespace = cache_namespace
@@ -103,6 +108,22 @@ class Session:
         self.views_dropped = False
 
     # ------------------------------------------------------------------ calls
+
+    def attach_retry(self, err: KVMemError, started: float) -> float | None:
+        """After a failed Attach begun at ``started`` (monotonic): how long to wait
+        before trying again, or None to give up (and raise ``err``). Retried, while
+        ``wait_for_ready`` and within ``timeout``: a server not reachable yet (a refused
+        connection, no socket: gRPC's UNAVAILABLE without a kvmem reason) or not ready
+        (``NOT_READY``). Never: a server shutting down, or any other refusal."""
+        if not self.wait_for_ready or err.code != grpc.StatusCode.UNAVAILABLE:
+            return None
+        if err.reason not in (_UNREACHABLE, _NOT_READY):
+            return None
+        left = started + self.timeout - time.monotonic()
+        if left <= 0:
+            return None
+        self._attach_tries = getattr(self, "_attach_tries", 0) + 1
+        return min(0.05 * 2 ** min(self._attach_tries, 5), 1.0, left)
 
     def attach(self) -> Call[None]:
         """The Attach that starts the session."""

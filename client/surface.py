@@ -102,7 +102,11 @@ class ClientBase(Generic[Mode]):
     the Attach are mapped on first use (``memory``, ``kv_cache``, ``block_table``).
     ``cache_namespace``: the prefix-cache namespace the session shares cached pages in
     (sessions of other namespaces never see them: other models, adapters, tenants);
-    empty is the shared default. ``prefix_cache`` says what the server does with it."""
+    empty is the shared default. ``prefix_cache`` says what the server does with it.
+    ``wait_for_ready`` (default on): the Attach waits for a server that is not there yet
+    (no socket, connection refused) or not ready (its KV memory not allocated yet:
+    ``NOT_READY``), retrying up to ``timeout`` seconds, so a scheduler may start before
+    its sidecar; a server that is shutting down is not waited for."""
 
     _mapped: MappedMemory | None = None
 
@@ -117,6 +121,7 @@ class ClientBase(Generic[Mode]):
         keepalive: bool = True,
         on_views_stale: Callable[[SessionLost], None] | None = None,
         cache_namespace: str = "",
+        wait_for_ready: bool = True,
     ) -> None:
         self.target = normalize_target(target)
         self._session = Session(
@@ -126,6 +131,7 @@ class ClientBase(Generic[Mode]):
             auth_token=auth_token,
             keepalive=keepalive,
             cache_namespace=cache_namespace,
+            wait_for_ready=wait_for_ready,
         )
         self._on_views_stale = on_views_stale
         self._session.on_views_stale = self._views_stale

@@ -7,6 +7,7 @@ and :class:`~kvmem.client.session.Session`'s; this module makes the calls, block
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -43,8 +44,17 @@ class KVMemClient(ClientBase[Blocking]):
         self._keepalive_thread: threading.Thread | None = None
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = kvmem_pb2_grpc.KVMemoryStub(self._channel)
+        started = time.monotonic()
         try:
-            self._perform(self._session.attach())
+            while True:
+                try:
+                    self._perform(self._session.attach())
+                    break
+                except KVMemError as err:
+                    delay = self._session.attach_retry(err, started)
+                    if delay is None:
+                        raise
+                    time.sleep(delay)
         except BaseException:
             self._channel.close()
             raise
