@@ -2,13 +2,18 @@
 
 The scrape must agree with what the calls did and with Stats, count refused calls by
 code and kvmem reason, time every unary handler, and answer anything but
-``GET``/``HEAD /metrics`` with a plain HTTP error. A port in use or a malformed address
-stops the start with the option named.
+``GET``/``HEAD /metrics`` with a plain HTTP error. The body is prometheus_client's: the
+text format 0.0.4 by default, OpenMetrics when the scrape's Accept asks for it, gzip when
+accepted; every name follows Prometheus' conventions (counters ``_total``, gauges not).
+A port in use or a malformed address stops the start with the option named.
 """
 
 from __future__ import annotations
 
+import gzip
+import importlib.metadata
 import os
+import platform
 import re
 import socket
 import subprocess
@@ -17,14 +22,25 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
+import numpy as np
 import pytest
 from conftest import ServerProcess, start_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmem.client import AllocStatus, KVMemClient
 from kvmem.client.errors import InvalidArgument
 
 PAGE = 4
+TEXT_0_0_4 = "text/plain; version=0.0.4; charset=utf-8"
+# What Prometheus 3 sends by default: OpenMetrics first, the text formats as fallbacks.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,"
+    "text/plain;version=0.0.4;q=0.2,*/*;q=0.1"
+)
 
 
 @pytest.fixture
@@ -39,16 +55,22 @@ def metrics_server(tmpdir_short: str) -> Iterator[tuple[ServerProcess, str]]:
     assert srv.stop() == 0, srv.log()
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+def fetch(url: str, **headers: str) -> tuple[dict[str, str], bytes]:
+    req = urllib.request.Request(url, headers={k.replace("_", "-"): v for k, v in headers.items()})
+    with urllib.request.urlopen(req, timeout=10) as resp:
         assert resp.status == 200
-        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-        text = resp.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+        return dict(resp.headers), resp.read()
+
+
+def families(url: str) -> list[Metric]:
+    """A plain scrape (no Accept): the text format 0.0.4."""
+    headers, body = fetch(url)
+    assert headers["Content-Type"] == TEXT_0_0_4
+    return list(text_string_to_metric_families(body.decode()))
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in families(url) for s in family.samples}
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
@@ -59,7 +81,7 @@ def test_scrape_agrees_with_the_calls_and_with_stats(metrics_server) -> None:
     srv, url = metrics_server
     m = scrape(url)
     assert value(m, "kvmem_pages", state="free") == 64 and value(m, "kvmem_pages", state="used") == 0
-    assert value(m, "kvmem_pages_total") == 64
+    assert value(m, "kvmem_pool_pages") == 64
     assert value(m, "kvmem_sessions") == 0
     assert value(m, "kvmem_request_slots", state="free") == 8
     assert value(m, "kvmem_pool_config", setting="page_size_tokens") == PAGE
@@ -140,7 +162,7 @@ def test_only_get_and_head_of_metrics_are_served(metrics_server) -> None:
     status, headers, body = http(url, method="HEAD")
     assert status == 200 and body == b"" and int(headers["Content-Length"]) > 1000
     status, _, body = http(url + "?name[]=x")  # query strings are ignored
-    assert status == 200 and b"kvmem_pages_total" in body
+    assert status == 200 and b"kvmem_pool_pages" in body
     host, port = url.split("/")[2].split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(b"nonsense\r\n\r\n")
@@ -174,33 +196,108 @@ def test_a_metrics_port_in_use_stops_the_start_naming_it(tmpdir_short: str) -> N
     assert os.listdir(tmpdir_short) == []  # the shm files the pool had made are gone
 
 
-def test_prefix_cache_metrics_agree_with_stats(metrics_server) -> None:
+def test_prefix_cache_metrics_follow_the_live_cache(metrics_server) -> None:
     srv, url = metrics_server
     m = scrape(url)
     assert value(m, "kvmem_prefix_cache_enabled", hash="xxh3-128") == 1
     assert value(m, "kvmem_prefix_cache_entries") == 0 and value(m, "kvmem_prefix_query_tokens_total") == 0
 
     prompt = list(range(10))  # two full pages of 4, and a partial one (never cached)
+    w0, w1 = {"session": "worker-0", "index": "1"}, {"session": "worker-1", "index": "2"}
     with KVMemClient(srv.target, name="worker-0") as A, KVMemClient(srv.target, name="worker-1") as B:
         [a] = A.open(["a"]).tolist()
         A.alloc([a], [10])
-        A.release([a], [prompt])  # cache: 2 pages
-        [b] = B.open(["b"]).tolist()
-        assert B.match(b, prompt) == 8
-        B.release([b])
-        many = A.open([f"big-{i}" for i in range(4)]).tolist()
-        assert A.alloc(many, [64] * 4).num_pages_evicted == 2  # 4 x 16 pages = all 64: the cached two go
-        stats = A.stats()
+        A.release([a], [prompt])  # cache: 2 pages, held by no request; the partial third is freed
+        m = scrape(url)
+        assert value(m, "kvmem_prefix_pages_cached_total") == 2
+        assert value(m, "kvmem_prefix_cache_entries") == 2
+        assert value(m, "kvmem_pages", state="cached") == 2 and value(m, "kvmem_pages", state="used") == 0
+        assert value(m, "kvmem_pages", state="free") == 62
 
+        [b] = B.open(["b"]).tolist()
+        assert B.match(b, prompt) == 8  # from a second session: b now holds the two cached pages
+        stats = B.stats()
         m = scrape(url)
         assert value(m, "kvmem_prefix_query_tokens_total") == stats.prefix_query_tokens == 10
         assert value(m, "kvmem_prefix_hit_tokens_total") == stats.prefix_hit_tokens == 8
-        assert value(m, "kvmem_prefix_pages_cached_total") == 2
-        assert value(m, "kvmem_prefix_evictions_total") == stats.num_evictions == 2
-        assert value(m, "kvmem_prefix_cache_entries") == stats.num_cache_entries == 0
-        assert value(m, "kvmem_pages", state="cached") == stats.num_cached_pages == 0
-        w0, w1 = {"session": "worker-0", "index": "1"}, {"session": "worker-1", "index": "2"}
         assert value(m, "kvmem_session_prefix_query_tokens_total", **w1) == 10
         assert value(m, "kvmem_session_prefix_hit_tokens_total", **w1) == 8
         assert value(m, "kvmem_session_prefix_query_tokens_total", **w0) == 0
+        assert value(m, "kvmem_prefix_cache_entries") == stats.num_cache_entries == 2  # held or not
+        assert value(m, "kvmem_pages", state="cached") == stats.num_cached_pages == 0  # held: not evictable
+        assert value(m, "kvmem_pages", state="used") == stats.num_used_pages == 2
+        assert value(m, "kvmem_session_pages", **w1) == 2
+
+        B.release([b])
+        m = scrape(url)
+        assert value(m, "kvmem_pages", state="cached") == 2 and value(m, "kvmem_prefix_cache_entries") == 2
+        assert value(m, "kvmem_prefix_evictions_total") == 0
+
+        many = A.open([f"big-{i}" for i in range(4)]).tolist()
+        assert A.alloc(many, [64] * 4).num_pages_evicted == 2  # 4 x 16 pages = all 64: the cached two go
+        stats = A.stats()
+        m = scrape(url)
+        assert value(m, "kvmem_prefix_evictions_total") == stats.num_evictions == 2
         assert value(m, "kvmem_session_prefix_evictions_total", **w0) == 2
+        assert value(m, "kvmem_session_prefix_evictions_total", **w1) == 0
+        assert value(m, "kvmem_prefix_cache_entries") == stats.num_cache_entries == 0
+        assert value(m, "kvmem_pages", state="cached") == stats.num_cached_pages == 0
+        assert value(m, "kvmem_prefix_pages_cached_total") == 2  # a total: evictions do not lower it
+
+
+def check_names(found: list[Metric]) -> None:
+    """Prometheus' conventions: a counter's samples end in _total, no gauge's does, an info
+    metric's sample ends in _info."""
+    for family in found:
+        for sample in family.samples:
+            if family.type == "counter":
+                assert sample.name == family.name + "_total", sample
+            elif family.type == "info":
+                assert sample.name == family.name + "_info", sample
+            else:
+                assert not sample.name.endswith("_total"), (family.type, sample)
+
+
+def test_exposition_is_prometheus_clients_negotiated_and_conventionally_named(metrics_server) -> None:
+    srv, url = metrics_server
+    with KVMemClient(srv.target, name="worker-0") as kv:  # every family with samples: a session, calls
+        [a] = kv.open(["a"]).tolist()
+        kv.alloc([a], [10])
+        with pytest.raises(InvalidArgument):
+            kv.step(alloc_slots=[a, a], alloc_needs=[1, 1])
+        kv.release([a], [list(range(10))])
+
+        text = families(url)  # no Accept: the text format 0.0.4
+        types = {f.name: f.type for f in text}
+        check_names(text)
+        assert types["kvmem_steps"] == types["kvmem_rpc_errors"] == types["kvmem_sessions_ended"] == "counter"
+        assert types["kvmem_pool_pages"] == types["kvmem_pages"] == types["kvmem_build_info"] == "gauge"
+        assert "kvmem_pages_total" not in types  # the old name of the pool's size, a gauge
+        [build] = next(f for f in text if f.name == "kvmem_build_info").samples
+        assert build.value == 1
+        assert build.labels == {
+            "version": importlib.metadata.version("kvmem"), "python": platform.python_version(),
+            "grpc": grpc.__version__, "numpy": np.__version__, "prefix_hash": "xxh3-128",
+        }  # fmt: skip
+
+        for accept in ("application/openmetrics-text", PROMETHEUS_ACCEPT):
+            headers, body = fetch(url, Accept=accept)
+            assert headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0;")
+            assert headers["Vary"] == "Accept, Accept-Encoding"
+            assert body.endswith(b"# EOF\n")
+            om = list(openmetrics_families(body.decode()))
+            check_names(om)
+            om_types = {f.name: f.type for f in om}
+            assert om_types["kvmem_build"] == om_types["kvmem"] == "info"  # kvmem_build_info, kvmem_info
+            assert om_types["kvmem_steps"] == "counter" and om_types["kvmem_rpc_handler_seconds"] == "histogram"
+            assert om_types["kvmem_pool_pages"] == "gauge"
+            # The same families in both formats (info metrics are gauges in the text format).
+            assert {n + "_info" if t == "info" else n for n, t in om_types.items()} == set(types)
+
+        headers, body = fetch(url, Accept="text/plain", Accept_Encoding="gzip")
+        assert headers["Content-Type"] == TEXT_0_0_4 and headers["Content-Encoding"] == "gzip"
+        assert {f.name for f in text_string_to_metric_families(gzip.decompress(body).decode())} == set(types)
+        headers, body = fetch(url, Accept=PROMETHEUS_ACCEPT, Accept_Encoding="deflate, gzip;q=0.9")
+        assert headers["Content-Encoding"] == "gzip" and gzip.decompress(body).endswith(b"# EOF\n")
+        headers, _ = fetch(url, Accept_Encoding="identity")
+        assert "Content-Encoding" not in headers
