@@ -14,11 +14,11 @@ import logging
 import os
 import socket
 import stat
+from typing import TYPE_CHECKING
 
 from kvmem.server.core import CoreConfig
 from kvmem.server.core.hashing import PageKeys, make_keys
 from kvmem.server.memory import (
-    CudaBackend,
     GeometryError,
     KVGeometry,
     MemoryBackend,
@@ -28,6 +28,9 @@ from kvmem.server.memory import (
     pages_for_budget,
     parse_size,
 )
+
+if TYPE_CHECKING:
+    from kvmem.server.memory import CudaBackend
 
 log = logging.getLogger("kvmem.server")
 
@@ -120,17 +123,37 @@ def _plan_pool(cfg: ServerConfig) -> tuple[CoreConfig, PoolSpec, tuple[int, ...]
     return core, pool, cfg.cuda_devices()
 
 
+def _device_option(cfg: ServerConfig) -> str:
+    """The option that chose the GPUs, as given (for messages)."""
+    return f"--devices {','.join(map(str, cfg.devices))}" if cfg.devices else f"--device {cfg.device}"
+
+
+def cuda_backend(cfg: ServerConfig) -> type[CudaBackend]:
+    """The cuda backend's class. Importing it imports torch, which only this backend needs
+    (the shm backend and --device none run without it): a StartupError naming the option
+    and torch when torch cannot be imported."""
+    try:
+        from kvmem.server.memory.cuda import CudaBackend
+    except (ImportError, OSError) as exc:  # not installed, or a broken install (a missing CUDA library)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise StartupError(
+            f"{_device_option(cfg)} needs torch (the cuda backend allocates and shares the KV cache through it), "
+            f"but importing torch failed ({reason}): install torch, or serve with --device cpu or none"
+        ) from None
+    return CudaBackend
+
+
 def allocate(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ...]) -> MemoryBackend | None:
     """The KV memory of a planned pool (shm files or GPU allocations), or None for --device none."""
     if cfg.device == "none" and not devices:
         return None
     try:
         if devices:
-            option = f"--devices {','.join(map(str, cfg.devices))}" if cfg.devices else f"--device {cfg.device}"
+            backend = cuda_backend(cfg)
             try:
-                return CudaBackend(pool, devices)
+                return backend(pool, devices)
             except RuntimeError as exc:  # no CUDA, a CUDA error: name the option that asked for it
-                raise StartupError(f"{option}: {exc}") from None
+                raise StartupError(f"{_device_option(cfg)}: {exc}") from None
         try:
             return ShmBackend(pool, cfg.shm_dir)
         except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
@@ -286,6 +309,8 @@ def check_config(
     metrics_at = None if cfg.metrics is None else _host_port("--metrics", cfg.metrics)
     page_keys = plan_prefix(cfg)
     core_cfg, pool, devices = _plan_pool(cfg)
+    if devices:
+        cuda_backend(cfg)  # torch importable: refused here, before anything is created
     if cfg.device == "cpu" and not devices:
         if not os.path.isdir(cfg.shm_dir):
             raise StartupError(f"--shm-dir {cfg.shm_dir}: no such directory")

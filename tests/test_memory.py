@@ -20,6 +20,7 @@ from kvmem.client.memory import MappedMemory, MemoryMapError
 from kvmem.server.core import CoreConfig, KVCore, StepBatch
 from kvmem.server.service import geometry_to_proto, handle_to_proto
 from kvmem.server.memory import (
+    DTYPES,
     CudaBackend,
     GeometryError,
     HandleInfo,
@@ -177,6 +178,13 @@ def test_float8_geometry():
     assert g.itemsize == 1 and g.bytes_per_token == 3 * 2 * 2 * 4
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtype_table_agrees_with_torch(dtype):
+    """The server sizes dtypes from its own table (no torch); the client maps with torch's."""
+    g = KVGeometry(**{**MHA, "dtype": dtype})
+    assert g.itemsize == g.torch_dtype.itemsize and str(g.torch_dtype) == f"torch.{dtype}"
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -328,6 +336,9 @@ def test_shm_files_are_private_and_one_per_allocation(tmp_path):
         assert handles[0].shape == (3, 2, 64, 2, 4) and handles[0].shm_path == b.kv_path
         assert handles[1].shape == (5, 5) and handles[1].shm_path == b.block_table_path
         assert b.kv().shape == g.kv_shape(64) and b.kv().dtype == torch.bfloat16
+        raw = b.kv_raw()  # the server's own view: flat bytes, no torch
+        assert raw.dtype == np.uint8 and raw.shape == (b.pool.kv_bytes,) and raw.flags.writeable
+        assert b.kv().data_ptr() == raw.ctypes.data  # one mapping
         assert b.name == "shm" and b.num_ranks == 1
         assert b.block_table.dtype == np.int32 and b.block_table.shape == (5, 5)
         assert not b.block_table.any() and not b.kv().any()  # zero-filled by the kernel
@@ -346,6 +357,8 @@ def test_close_removes_files_and_is_idempotent(tmp_path):
     assert b.closed
     with pytest.raises(RuntimeError, match="closed"):
         b.kv()
+    with pytest.raises(RuntimeError, match="closed"):
+        b.kv_raw()
     with pytest.raises(RuntimeError, match="closed"):
         b.handles()
     k0[3] = 1.0  # a client's mapping outlives the files

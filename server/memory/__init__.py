@@ -19,14 +19,20 @@ proto ``MemoryHandle``; this package imports no proto and no gRPC.
   ranks share one page-id space) and a device copy of the block table on each, shared by
   CUDA IPC.
 
+Only the cuda backend needs torch (to allocate on the GPU and export IPC handles):
+``CudaBackend`` and ``device_uuid`` are imported from :mod:`.cuda` on first use (PEP 562),
+so the shm backend and ``--device none`` run where torch is not installed. Dtypes are
+named as torch names them and sized from a table (:attr:`KVGeometry.itemsize`).
+
 Layout of one KV allocation (``num_tokens = num_pages * page_size`` token slots, slot
 ``page_id * page_size + offset``): mha ``[layers, 2, tokens, kv_heads, head_dim]`` (K at
 index 0, V at 1), mla ``[layers, tokens, kv_lora_rank + rope_dim]``. A layer's K (or V,
 or latent) is one contiguous ``[tokens, ...]`` block indexed by ``kv_loc``.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from kvmem.server.memory.base import CudaIpcInfo, HandleInfo, MemoryBackend
-from kvmem.server.memory.cuda import CudaBackend, device_uuid
 from kvmem.server.memory.geometry import (
     DTYPES,
     FORMATS,
@@ -42,6 +48,11 @@ from kvmem.server.memory.geometry import (
     parse_size,
 )
 from kvmem.server.memory.shm import ShmBackend, remove_stale
+
+if TYPE_CHECKING:
+    from kvmem.server.memory.cuda import CudaBackend, device_uuid
+
+_NEED_TORCH = ("CudaBackend", "device_uuid")  # in .cuda, which imports torch
 
 __all__ = [
     "DTYPES",
@@ -64,3 +75,12 @@ __all__ = [
     "parse_size",
     "remove_stale",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``CudaBackend`` and ``device_uuid``, importing :mod:`.cuda` (and torch) on first use."""
+    if name in _NEED_TORCH:
+        from kvmem.server.memory import cuda
+
+        return getattr(cuda, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
-import torch
 
 from kvmem.server.memory.geometry import KVGeometry, PoolSpec, format_size
+
+if TYPE_CHECKING:
+    import torch  # annotations only: of the backends, only cuda needs torch at run time
 
 log = logging.getLogger("kvmem.server.memory")
 
@@ -83,7 +85,9 @@ class MemoryBackend(abc.ABC):
 
     @abc.abstractmethod
     def kv(self, rank: int = 0) -> torch.Tensor:
-        """The whole KV allocation of ``rank``: shape ``geometry.kv_shape(num_tokens)``."""
+        """The whole KV allocation of ``rank`` as a torch tensor of the KV dtype: shape
+        ``geometry.kv_shape(num_tokens)``. The server itself never calls it (it does not
+        touch KV bytes); it is for tests and in-process users, and imports torch."""
 
     @abc.abstractmethod
     def handles(self) -> list[HandleInfo]:

@@ -5,7 +5,8 @@
 ``max_context_len``) and is the only place a pool is checked: the backends take one and
 do not check it again. :func:`pages_for_budget` and :func:`parse_size` turn command-line
 values into a pool. Every refusal is a :class:`GeometryError` naming the option and the
-value. No torch at import (only :attr:`KVGeometry.torch_dtype` imports it).
+value. No torch: dtypes are torch's names, sized from a table (only
+:attr:`KVGeometry.torch_dtype` imports torch, for the cuda backend and tests).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
 _INT32_MAX = 2**31 - 1
 
 FORMATS = ("mha", "mla")
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}  # torch dtype names
+# Bytes per element of each KV dtype (torch's names). A table, not numpy: bfloat16 and the
+# float8 types have no numpy dtype, and the server only sizes KV bytes, never computes on them.
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 DTYPES: tuple[str, ...] = tuple(_ITEMSIZE)
 
 
@@ -67,10 +70,11 @@ class KVGeometry:
     and ``rope_dim`` for mha; ``num_kv_heads`` and ``head_dim`` for mla) are set to 0, so
     command-line defaults of the other format do no harm.
 
-    ``dtype`` is a torch dtype name (see :data:`DTYPES`). Construction validates every
-    field and raises :class:`GeometryError` naming the option (``--layers``,
-    ``--kv-heads``, ``--head-dim``, ``--kv-lora-rank``, ``--rope-dim``, ``--dtype``,
-    ``--format``, ``--page-size``). All methods are O(1).
+    ``dtype`` is a torch dtype name (see :data:`DTYPES`), sized without torch
+    (:attr:`itemsize`). Construction validates every field and raises
+    :class:`GeometryError` naming the option (``--layers``, ``--kv-heads``,
+    ``--head-dim``, ``--kv-lora-rank``, ``--rope-dim``, ``--dtype``, ``--format``,
+    ``--page-size``). All methods are O(1).
     """
 
     format: str
@@ -112,6 +116,7 @@ class KVGeometry:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of ``dtype``, from a table (no torch)."""
         return _ITEMSIZE[self.dtype]
 
     @property

@@ -1,6 +1,12 @@
 """The shm backend: the KV cache and the block table in POSIX shared memory
 (``/dev/shm``), the embedded default, and :func:`remove_stale`, which removes the files
-of servers that died."""
+of servers that died.
+
+No torch: the server never computes on the KV bytes, so it sizes them from the dtype's
+name (:attr:`KVGeometry.itemsize`) and holds them as a flat numpy ``uint8`` view of the
+mapping; clients map the same file as torch tensors of the KV dtype. Only :meth:`ShmBackend.kv`
+(for tests and in-process users) imports torch.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,15 @@ import os
 import re
 import secrets
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvmem.server.memory.base import HandleInfo, MemoryBackend, log
 from kvmem.server.memory.geometry import GeometryError, MemoryUnavailable, PoolSpec, format_size
+
+if TYPE_CHECKING:
+    import torch
 
 _ID_RE = r"(\d+-[0-9a-f]{16})"
 
@@ -126,8 +135,9 @@ def _create_file(path: str, size: int, reserve: bool) -> int:
 
 
 def _map_fd(fd: int, size: int) -> mmap.mmap:
-    # The mapping lives as long as a tensor over it; it is never closed explicitly
-    # (mmap.close() under a live torch.frombuffer tensor would leave it dangling).
+    # The mapping lives as long as an array over it; it is never closed explicitly
+    # (mmap refuses to close while a numpy view exports its buffer, and a torch tensor
+    # over that view would be left dangling if it could).
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
@@ -194,9 +204,10 @@ class ShmBackend(MemoryBackend):
         except BaseException:
             self._finalizer()
             raise
-        self._kv: torch.Tensor | None = (
-            torch.frombuffer(kv_map, dtype=torch.uint8).view(pool.geometry.torch_dtype).view(pool.kv_shape)
-        )
+        # The KV bytes, flat (the server sizes them but never reads them); this array and
+        # block_table keep the two mappings alive. None once closed.
+        self._kv_raw: np.ndarray | None = np.frombuffer(kv_map, dtype=np.uint8)
+        self._kv: torch.Tensor | None = None  # kv()'s torch view of _kv_raw, built on first use
         self.block_table = np.frombuffer(bt_map, dtype=np.int32).reshape(pool.block_table_shape)
         self._kv_bytes = kv_bytes
         self._bt_bytes = bt_bytes
@@ -264,21 +275,33 @@ class ShmBackend(MemoryBackend):
     def closed(self) -> bool:
         return not self._finalizer.alive
 
-    def kv(self, rank: int = 0) -> torch.Tensor:
-        """The whole KV cache (one mapping). O(1)."""
+    def kv_raw(self, rank: int = 0) -> np.ndarray:
+        """The whole KV cache as flat ``uint8`` bytes (``pool.kv_bytes`` of them) over the
+        one mapping: no torch, whatever the dtype (bfloat16 and float8 have no numpy
+        dtype). O(1)."""
         self._check_rank(rank)
-        if self._kv is None:
+        if self._kv_raw is None:
             raise RuntimeError("the shm backend is closed")
+        return self._kv_raw
+
+    def kv(self, rank: int = 0) -> torch.Tensor:
+        """The whole KV cache as a torch tensor of the KV dtype, shape ``pool.kv_shape``,
+        over the same mapping as :meth:`kv_raw` (what a client maps). Imports torch on
+        first use; the server never calls it. O(1)."""
+        raw = self.kv_raw(rank)
+        if self._kv is None:
+            import torch  # only here: the backend itself needs no torch
+
+            self._kv = torch.from_numpy(raw).view(self.geometry.torch_dtype).view(self.pool.kv_shape)
         return self._kv
 
     def handles(self) -> list[HandleInfo]:
         """The KV file and the block-table file (rank 0). O(1)."""
-        kv = self._kv
-        if self.closed or kv is None:
+        if self.closed or self._kv_raw is None:
             raise RuntimeError("the shm backend is closed")
         g = self.geometry
         return [
-            HandleInfo("kv", 0, g.dtype, tuple(kv.shape), self._kv_bytes, shm_path=self.kv_path),
+            HandleInfo("kv", 0, g.dtype, self.pool.kv_shape, self._kv_bytes, shm_path=self.kv_path),
             HandleInfo(
                 "block_table",
                 0,
@@ -295,6 +318,7 @@ class ShmBackend(MemoryBackend):
 
     def close(self) -> None:
         """Unlink the files and drop this backend's mappings (they are unmapped once no
-        tensor view of them is left). Idempotent. O(1)."""
+        array or tensor view of them is left). Idempotent. O(1)."""
         self._finalizer()
+        self._kv_raw = None
         self._kv = None
