@@ -11,9 +11,12 @@ import argparse
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
+
+from kvmem.server.logs import LOG_FORMATS
+from kvmem.server.logs import configure as configure_logging
+from kvmem.server.version import VersionAction
 
 DEFAULT_SOCKET = "/tmp/kvmem.sock"
 
@@ -97,12 +100,11 @@ def _size(raw: str) -> str:
 
 
 def _address(raw: str) -> str:
-    from kvmem.server.startup import StartupError, _host_port
-
-    try:
-        _host_port("", raw)
-    except StartupError:
-        raise argparse.ArgumentTypeError(f"must be HOST:PORT (port 0-65535), got {raw!r}") from None
+    """HOST:PORT, the rule of :func:`kvmem.server.startup._host_port` (which the server
+    applies again), without importing the server (and torch) to parse a client's flag."""
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT (port 0-65535), got {raw!r}")
     return raw
 
 
@@ -219,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvmem: a KV-cache memory manager for LLM inference. One server per GPU node owns the "
         "KV page pool and the block tables; scheduler workers attach over gRPC.",
     )
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add_serve(sub)
@@ -237,6 +240,7 @@ def _add_serve(sub: Any) -> None:
         "health is grpc.health.v1 (service '' = liveness, 'kvmem.v1.KVMemory' = readiness). "
         "Every option can also be set from its KVMEM_* environment variable.",
     )
+    serve.add_argument("--version", action=VersionAction)
     listen = serve.add_argument_group("listening")
     _add(listen, "--socket", DEFAULT_SOCKET, "unix socket path to listen on; 'none' to disable")
     _add(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)", _address)
@@ -288,6 +292,8 @@ def _add_serve(sub: Any) -> None:
          _integer(0, "milliseconds"))  # fmt: skip
     _add_prefix_options(serve)
     _add(serve, "--log-level", "info", "debug, info, warning or error", _one_of("debug", "info", "warning", "error"))
+    _add(serve, "--log-format", "text", "text (one line a record) or json (one JSON object a line: ts, level, "
+         "logger, message, exception)", _one_of(*LOG_FORMATS))  # fmt: skip
     debug = serve.add_argument(
         "--debug-audit",
         action="store_true",
@@ -341,7 +347,7 @@ def _add_client_commands(sub: Any) -> None:
     ):
         p = sub.add_parser(name, help=text, description=text)
         _add(p, "--socket", DEFAULT_SOCKET, "unix socket of the server")
-        _add(p, "--tcp", None, "HOST:PORT of the server instead of the socket")
+        _add(p, "--tcp", None, "HOST:PORT of the server instead of the socket", _address)
         _add(p, "--auth-token", None, "bearer token for TCP")
         p.add_argument("--timeout", type=_positive_float, default=3.0,
                        help="seconds to wait for an answer (default: 3)")  # fmt: skip
@@ -354,11 +360,18 @@ def _add_client_commands(sub: Any) -> None:
         else:
             p.add_argument("--json", action="store_true", help="print JSON instead of a table")
             p.add_argument("--audit", action="store_true", help="also run the full pool audit (O(pool))")
+            p.add_argument("--watch", nargs="?", const=2.0, type=_positive_float, metavar="SECONDS",
+                           help="refresh every SECONDS (default: 2) until Ctrl-C: redrawn in place on a terminal, "
+                           "one block after another otherwise (--json: one JSON object a line)")  # fmt: skip
+            p.add_argument("--count", type=_integer(1), help="stop after this many refreshes (implies --watch)")
 
 
 def _serve(args: argparse.Namespace) -> int:
     from kvmem.server.app import serve
     from kvmem.server.startup import ServerConfig
+    from kvmem.server.version import runtime, version
+
+    logging.getLogger("kvmem.server").info("kvmem %s (%s)", version(), runtime())
 
     socket_path = None if args.socket in ("", "none") else args.socket
     config = ServerConfig(
@@ -416,13 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_dash_values(parser, list(sys.argv[1:] if argv is None else argv)))
     _fill_from_env(parser, args)
-    level = getattr(args, "log_level", "info").upper()
-    logging.basicConfig(
-        level=getattr(logging, level, logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
-    logging.Formatter.converter = time.gmtime
+    configure_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
     from kvmem.server.cli_client import health, stats
 
     handler = {"serve": _serve, "health": health, "stats": stats, "simulate": _simulate}[args.command]

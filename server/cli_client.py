@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 
@@ -35,24 +36,73 @@ def health(args: argparse.Namespace) -> int:
 
 
 def stats(args: argparse.Namespace) -> int:
+    """``kvmem stats``: once, or with ``--watch``/``--count`` refreshed until Ctrl-C (exit 0)
+    or the count is reached (the exit status of the last refresh)."""
+    if args.watch is None and args.count is None:
+        out, code, reached = _snapshot(args, compact=False)
+        print(out, file=sys.stdout if reached else sys.stderr)
+        return code
+    interval = 2.0 if args.watch is None else args.watch
+    try:
+        return _watch(args, interval, args.count, sys.stdout.isatty())
+    except KeyboardInterrupt:  # Ctrl-C is how a watch ends
+        return 0
+
+
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
+
+
+def _watch(args: argparse.Namespace, interval: float, count: int | None, tty: bool) -> int:
+    """Refresh every ``interval`` seconds: on a terminal, clear and redraw one screen; else
+    one block after another, each under a ``# <UTC time>`` line (``--json``: one JSON
+    object a line, nothing else), errors on stderr. A server that does not answer is
+    reported and asked again at the next refresh."""
+    done, code = 0, 0
+    while count is None or done < count:
+        if done:
+            time.sleep(interval)
+        out, code, reached = _snapshot(args, compact=not tty)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        if tty:
+            sys.stdout.write(f"{_CLEAR}kvmem stats {_target(args)}   every {interval:g}s   {stamp}\n\n{out}\n")
+        elif not reached:
+            print(f"{stamp} {out}", file=sys.stderr, flush=True)
+        elif args.json:
+            sys.stdout.write(out + "\n")
+        else:
+            sys.stdout.write(f"# {stamp}\n{out}\n\n")
+        sys.stdout.flush()
+        done += 1
+    return code
+
+
+def _snapshot(args: argparse.Namespace, *, compact: bool) -> tuple[str, int, bool]:
+    """One Stats call, printed: the text, the exit status (1 when the audit ran and
+    failed) and whether the server answered (if not: the text is the error, status 1)."""
     from kvmem.client.admin import stats as fetch_stats
     from kvmem.client.errors import KVMemError
 
     try:
         s = fetch_stats(_target(args), audit=args.audit, timeout=args.timeout, auth_token=args.auth_token)
     except KVMemError as err:
-        print(f"kvmem stats: {_target(args)}: {err}", file=sys.stderr)
-        return 1
-    from google.protobuf import json_format
-
+        return f"kvmem stats: {_target(args)}: {err}", 1, False
+    code = 0 if (not s.audit.ran or s.audit.ok) else 1
     if args.json:
-        print(json.dumps(json_format.MessageToDict(s, always_print_fields_with_no_presence=True), indent=2))
-        return 0
+        from google.protobuf import json_format
+
+        d = json_format.MessageToDict(s, always_print_fields_with_no_presence=True)
+        return json.dumps(d, indent=None if compact else 2), code, True
+    return _table(s), code, True
+
+
+def _table(s: Any) -> str:
+    """A StatsResponse for people: the pool, the prefix cache, then a row per session."""
     g = s.geometry
     used = s.num_used_pages
     total = max(s.num_pages_total, 1)
     lines = [
-        f"epoch {s.epoch}   uptime {s.uptime_ms / 1000:.1f}s   steps {s.num_steps}   memory {s.memory_backend}",
+        f"kvmem {s.version or '(version not reported)'}   epoch {s.epoch}   uptime {s.uptime_ms / 1000:.1f}s   "
+        f"steps {s.num_steps}   memory {s.memory_backend}",
         f"pool  {s.num_pages_total} pages x {g.page_size} tokens; max {g.max_requests} requests, "
         f"{g.max_context_len} tokens each",
         f"pages used {used} ({100 * used / total:.1f}%)   cached {s.num_cached_pages}   free {s.num_free_pages}"
@@ -77,8 +127,7 @@ def stats(args: argparse.Namespace) -> int:
         )
     if not s.sessions:
         lines.append("      (no sessions)")
-    print("\n".join(lines))
-    return 0 if (not s.audit.ran or s.audit.ok) else 1
+    return "\n".join(lines)
 
 
 DEFAULT_NAMESPACE = "(default)"  # how the table shows the shared default namespace, ""

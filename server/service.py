@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -22,6 +23,7 @@ from kvmem.server.errors import CorruptionError, KVMemError, Reason
 from kvmem.server.metrics import RpcStats
 from kvmem.server.refusals import RefusalLog
 from kvmem.server.sessions import Sessions
+from kvmem.server.version import version
 from kvmem.server.wire import STATUS_CODE, Malformed, deserializer, stats_response, step_batch, step_response
 from kvmem.server.wire import geometry_to_proto as geometry_to_proto  # re-exported: the service's vocabulary
 from kvmem.server.wire import handle_to_proto as handle_to_proto
@@ -103,6 +105,11 @@ def _unary(
     return wrapper
 
 
+def _as_bytes(value: str | bytes) -> bytes:
+    """A metadata value as bytes (gRPC hands text keys' values as str)."""
+    return value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
+
+
 class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
     """kvmem.v1.KVMemory over :class:`~kvmem.server.sessions.Sessions`."""
 
@@ -111,7 +118,7 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         self.geometry = kvmem_pb2.PoolGeometry()
         self.memory_handles: list[kvmem_pb2.MemoryHandle] = []
         self.memory_backend = "none"
-        self._auth = None if auth_token is None else f"Bearer {auth_token}"
+        self._auth = None if auth_token is None else f"Bearer {auth_token}".encode()
         self.keepalive_tasks: set[asyncio.Task[Any]] = set()
         self.stopping = asyncio.Event()
         self.rpc_stats: RpcStats | None = None  # set by the server when it serves metrics
@@ -158,11 +165,12 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         """With a token set, every call that does not come over the unix socket must
-        carry ``authorization: Bearer <token>``."""
+        carry ``authorization: Bearer <token>``, compared in constant time (how long the
+        comparison takes says nothing of how much of a guess was right)."""
         if self._auth is None or context.peer().startswith("unix:"):
             return
         given = dict(context.invocation_metadata() or ()).get("authorization")
-        if given != self._auth:
+        if given is None or not hmac.compare_digest(_as_bytes(given), self._auth):
             raise KVMemError(
                 Reason.BAD_TOKEN,
                 "missing authorization metadata" if given is None else "wrong bearer token in authorization metadata",
@@ -207,7 +215,9 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
     def Stats(self, request: kvmem_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StatsResponse:
         sessions = self.sessions
         stats = sessions.stats(audit=request.audit)
-        return stats_response(stats, sessions.epoch, self.geometry, self.memory_backend, len(sessions.quarantined))
+        response = stats_response(stats, sessions.epoch, self.geometry, self.memory_backend, len(sessions.quarantined))
+        response.version = version()
+        return response
 
     async def WatchEvents(
         self, request: kvmem_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext

@@ -7,13 +7,17 @@ their variables explicitly.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import pty
 import re
+import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,6 +27,7 @@ from kvmem.client import KVMemClient
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 CLI = [sys.executable, "-m", "kvmem.server.cli"]
+VERSION = importlib.metadata.version("kvmem")
 
 # Every `kvmem serve` option and its default as the help shows it.
 SERVE_OPTIONS = {
@@ -58,6 +63,7 @@ SERVE_OPTIONS = {
     "--kv-events-replay": "none",
     "--kv-events-topic": "none",
     "--log-level": "info",
+    "--log-format": "text",
 }
 
 
@@ -113,7 +119,7 @@ def test_serve_help_names_every_option_with_its_default_and_env_var() -> None:
     run = kvmem("serve", "--help")
     assert run.returncode == 0, run.stderr
     entries = option_entries(run.stdout)
-    assert set(entries) == {"-h", "--debug-audit", "--no-prefix-cache", *SERVE_OPTIONS}, sorted(entries)
+    assert set(entries) == {"-h", "--version", "--debug-audit", "--no-prefix-cache", *SERVE_OPTIONS}, sorted(entries)
     for flag, default in SERVE_OPTIONS.items():
         assert f"(default: {default}; env {env_name(flag)})" in entries[flag], entries[flag]
     assert "(default: off; env KVMEM_DEBUG)" in entries["--debug-audit"], entries["--debug-audit"]
@@ -132,6 +138,28 @@ def test_client_command_help_names_defaults_and_env_vars(command: str) -> None:
     for flag, default in (("--socket", "/tmp/kvmem.sock"), ("--tcp", "none"), ("--auth-token", "none")):
         assert f"(default: {default}; env {env_name(flag)})" in entries[flag], entries[flag]
     assert "(default: 3)" in entries["--timeout"]
+
+
+def test_version_prints_the_package_version_and_the_runtime() -> None:
+    for args in (["--version"], ["serve", "--version"]):
+        run = kvmem(*args, env=clean_env(KVMEM_PAGE_SIZE="16k"))  # a bad serve value changes nothing
+        assert run.returncode == 0 and run.stderr == "", (args, run.stderr)
+        first, second = run.stdout.splitlines()
+        assert first == f"kvmem {VERSION}", run.stdout
+        assert second.startswith("python ") and "grpcio " in second and "numpy " in second, second
+
+
+def test_version_without_metadata_is_the_source_trees(tmp_path: Path) -> None:
+    """Run from a source tree that was never installed, the version is pyproject.toml's."""
+    from kvmem.server.version import UNKNOWN, _pyproject_version
+
+    repo = Path(__file__).resolve().parent.parent
+    assert _pyproject_version(repo / "pyproject.toml") == VERSION
+    other = tmp_path / "pyproject.toml"
+    for text in ('[project]\nname = "other"\nversion = "9.9"\n', '[project]\nname = "kvmem"\n', "not toml ["):
+        other.write_text(text)
+        assert _pyproject_version(other) == UNKNOWN, text
+    assert _pyproject_version(tmp_path / "missing.toml") == UNKNOWN
 
 
 # ------------------------------------------------------------------------ health
@@ -176,6 +204,7 @@ def test_stats_prints_a_table_and_json(server: ServerProcess) -> None:
 
     (table, err), code = out["table"]
     assert code == 0, err
+    assert table.startswith(f"kvmem {VERSION}   epoch "), table
     assert re.search(r"pages used 5 \(2\.0%\)\s+cached 0\s+free 251", table), table
     assert re.search(r"pool\s+256 pages x 4 tokens; max 16 requests, 256 tokens each", table), table
     assert re.search(r"request slots open 2\s+free 14", table), table
@@ -200,6 +229,65 @@ def test_stats_prints_a_table_and_json(server: ServerProcess) -> None:
     assert session["cacheNamespace"] == "model-a" and int(session["prefixQueryTokens"]) == 12
     assert d["prefixCacheEnabled"] is True and d["prefixHash"] == "xxh3-128" and int(d["prefixQueryTokens"]) == 12
     assert d["audit"]["ran"] is False  # no --audit: the O(pool) audit did not run
+    assert d["version"] == VERSION
+
+
+def test_stats_watch_repeats_blocks_off_a_terminal_and_redraws_on_one(server: ServerProcess, tmpdir_short: str) -> None:
+    """--watch: blocks one after another into a pipe (JSON Lines with --json), clear and
+    redraw on a terminal; --count ends it; a server that does not answer is reported at
+    each refresh (exit 1); Ctrl-C ends it with exit 0."""
+    sock = ["--socket", server.socket_path]
+    missing = ["--socket", os.path.join(tmpdir_short, "nobody.sock"), "--timeout", "0.5"]
+    master, slave = pty.openpty()
+    runs = {
+        name: subprocess.Popen(
+            [*CLI, "stats", *args],
+            stdout=slave if name == "tty" else subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
+        for name, args in (
+            ("table", [*sock, "--watch", "0.1", "--count", "2"]),
+            ("json", [*sock, "--json", "--count", "2", "--watch", "0.1"]),
+            ("tty", [*sock, "--watch", "0.1", "--count", "2"]),
+            ("down", [*missing, "--count", "2", "--watch", "0.1"]),
+            ("interrupted", [*sock, "--watch", "0.1"]),
+        )
+    }
+    os.close(slave)
+    screen = b""
+    while chunk := _read_pty(master):
+        screen += chunk
+    os.close(master)
+    first = runs["interrupted"].stdout.readline()  # type: ignore[union-attr]
+    assert first.startswith("# "), first
+    runs["interrupted"].send_signal(signal.SIGINT)
+    out = {name: (p.communicate(timeout=60), p.returncode) for name, p in runs.items()}
+
+    (text, err), code = out["table"]
+    assert code == 0, err
+    blocks = text.split("\n\n# ")
+    assert len(blocks) == 2 and text.startswith("# "), text
+    assert all(f"\nkvmem {VERSION}   epoch " in "\n" + b.split("\n", 1)[1] for b in blocks), text
+    (text, err), code = out["json"]
+    assert code == 0, err
+    assert [json.loads(line)["version"] for line in text.splitlines()] == [VERSION, VERSION]
+    assert out["tty"][1] == 0, out["tty"][0][1]
+    shown = screen.decode()
+    assert shown.count("\x1b[H\x1b[2J") == 2 and shown.count(f"kvmem {VERSION}   epoch ") == 2, shown
+    (text, err), code = out["down"]
+    assert code == 1 and text == "", text
+    assert len(err.splitlines()) == 2 and all("nobody.sock" in line for line in err.splitlines()), err
+    (_, err), code = out["interrupted"]
+    assert code == 0 and "Traceback" not in err, err
+
+
+def _read_pty(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: every writer has closed the terminal
+        return b""
 
 
 # ------------------------------------------------------------------ serve options
@@ -389,20 +477,68 @@ def test_a_metrics_port_taken_after_the_checks_undoes_the_start(tmpdir_short: st
 
 
 def test_a_bad_serve_env_value_breaks_neither_help_nor_the_client_commands(server: ServerProcess) -> None:
-    env = clean_env(KVMEM_PAGE_SIZE="16k", KVMEM_MEMORY="-5GiB", KVMEM_DEBUG="maybe")
+    """Each command reads the KVMEM_* variables of its own options, and only when it runs:
+    a bad serve value breaks no help and no client command; a bad value of the command
+    run stops it with one line naming the variable."""
+    env = clean_env(KVMEM_PAGE_SIZE="16k", KVMEM_MEMORY="-5GiB", KVMEM_DEBUG="maybe", KVMEM_LOG_FORMAT="xml")
+    bad_tcp = clean_env(KVMEM_TCP="nowhere")
     runs = {
-        name: subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        name: subprocess.Popen(
+            [*CLI, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=bad_tcp if name.endswith("bad tcp") else env,
+        )
         for name, args in (
+            ("--help", ["--help"]),
             ("serve --help", ["serve", "--help"]),
             ("health --help", ["health", "--help"]),
+            ("stats --help", ["stats", "--help"]),
             ("health", ["health", "--socket", server.socket_path]),
             ("stats", ["stats", "--socket", server.socket_path]),
+            ("serve --help, bad tcp", ["serve", "--help"]),
+            ("health, bad tcp", ["health"]),
+            ("stats, bad tcp", ["stats"]),
         )
     }
     for name, p in runs.items():
-        _, err = p.communicate(timeout=60)
+        out, err = p.communicate(timeout=60)
+        if name in ("health, bad tcp", "stats, bad tcp"):
+            assert p.returncode == 2 and out == "", (name, out, err)
+            assert err.count("\n") == 1 and "KVMEM_TCP (for --tcp)" in err and "'nowhere'" in err, (name, err)
+            continue
         assert p.returncode == 0, (name, err)
-        assert "KVMEM_PAGE_SIZE" not in err, (name, err)
+        assert "KVMEM_PAGE_SIZE" not in err and "KVMEM_LOG_FORMAT" not in err, (name, err)
+
+
+def test_log_format_json_writes_one_json_object_a_line(tmpdir_short: str) -> None:
+    srv = start_server(tmpdir_short, "--log-format", "json", "--page-size", "4", "--num-pages", "65",
+                       "--max-context", "64", env=clean_env(KVMEM_DEBUG="1"))  # fmt: skip
+    assert srv.stop() == 0, srv.log()
+    records = [json.loads(line) for line in srv.log().splitlines()]  # every line parses
+    assert records and all({"ts", "level", "logger", "message"} <= set(r) for r in records), records
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", r["ts"]) for r in records)
+    messages = [r["message"] for r in records]
+    assert f"kvmem {VERSION} (python " in messages[0], messages
+    assert any(m.startswith("serving socket=") for m in messages) and messages[-1] == "stopped", messages
+    assert {r["level"] for r in records} <= {"INFO", "WARNING"} and records[0]["logger"] == "kvmem.server"
+
+
+def test_json_log_records_carry_the_exception_on_one_line() -> None:
+    import logging
+
+    from kvmem.server.logs import JsonFormatter
+
+    try:
+        raise ValueError("bad\nvalue")
+    except ValueError:
+        record = logging.LogRecord("kvmem.x", logging.ERROR, __file__, 1, "failed %s", ("here",), sys.exc_info())
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert (entry["level"], entry["logger"], entry["message"]) == ("ERROR", "kvmem.x", "failed here")
+    assert entry["exception"].startswith("Traceback") and "ValueError: bad\nvalue" in entry["exception"]
 
 
 def test_a_value_that_starts_with_a_dash_is_a_value_not_an_option(tmpdir_short: str) -> None:

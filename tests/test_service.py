@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import os
 import signal
 import socket
@@ -164,6 +165,7 @@ def test_sync_client_attach_open_step_stats(server: ServerProcess) -> None:
         assert (st.num_open_requests, st.num_free_request_slots) == (2, MAX_REQUESTS - 2)
         assert st.num_steps == 4
         assert st.geometry == kv.geometry
+        assert st.version == importlib.metadata.version("kvmem")  # what `kvmem --version` prints
         [usage] = st.sessions
         assert (usage.name, usage.num_requests, usage.num_pages_held) == ("worker-sync", 2, 3)
         assert not usage.HasField("quota_pages")
@@ -588,6 +590,11 @@ def test_tcp_requires_bearer_token(tmpdir_short: str) -> None:
                 (None, "missing authorization"),
                 ((("authorization", "Bearer wrong-token"),), "wrong bearer token"),
                 ((("authorization", token),), "wrong bearer token"),  # no "Bearer " scheme
+                # Compared whole, in constant time: a prefix, an extension, a case change, nothing.
+                ((("authorization", f"Bearer {token[:-1]}"),), "wrong bearer token"),
+                ((("authorization", f"Bearer {token}x"),), "wrong bearer token"),
+                ((("authorization", f"Bearer {token.upper()}"),), "wrong bearer token"),
+                ((("authorization", "Bearer "),), "wrong bearer token"),
             ):
                 for call, request in (
                     (stub.Attach, kvmem_pb2.AttachRequest(name="intruder")),
