@@ -47,6 +47,7 @@ class KVMemServer:
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self.metrics_server: MetricsServer | None = None
+        self.health_server: grpc.aio.Server | None = None  # --health-port: grpc.health.v1 only
         self.events: EventLog | None = None  # the prefix cache's events: WatchEvents' replay buffer
         self.zmq_publisher: Any = None  # kv_events_zmq.ZmqEventPublisher with --kv-events-zmq
         self._starting: grpc.aio.Server | None = None  # the gRPC server until start() succeeds
@@ -153,6 +154,20 @@ class KVMemServer:
         if cfg.socket_path is not None:
             os.chmod(cfg.socket_path, 0o600)
         self.grpc_server = server
+        if cfg.health_port is not None:
+            await self._listen_health(cfg.health_port)
+
+    async def _listen_health(self, port: int) -> None:
+        """grpc.health.v1 alone on a TCP port of every interface, the same statuses as on
+        the socket (one servicer): what kubelet's gRPC probes need, and nothing else."""
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            server.add_insecure_port(f"0.0.0.0:{port}")
+        except RuntimeError as exc:
+            raise StartupError(f"--health-port {port}: cannot listen ({grpc_reason(exc)})") from None
+        await server.start()
+        self.health_server = server
 
     async def _open(
         self, core_cfg: CoreConfig, kv_geometry: KVGeometry, metrics_at: tuple[str, int] | None, page_keys: PageKeys
@@ -252,6 +267,10 @@ class KVMemServer:
             with contextlib.suppress(Exception):
                 await self.metrics_server.stop()
             self.metrics_server = None
+        health, self.health_server = self.health_server, None
+        if health is not None:
+            with contextlib.suppress(Exception):
+                await health.stop(None)
         if self.memory is not None:
             with contextlib.suppress(Exception):
                 self.memory.close()
@@ -309,6 +328,8 @@ class KVMemServer:
         if self.config.socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket_path)
+        if self.health_server is not None:  # last: the probes see NOT_SERVING until the end
+            await self.health_server.stop(0)
         log.info("stopped")
 
     async def _drain(self, seconds: float) -> None:

@@ -253,6 +253,8 @@ def _add_serve(sub: Any) -> None:
         "port 0 picks a free one and logs it); no authentication, so pick the interface",
         _address,
     )
+    _add(listen, "--health-port", None, "also serve grpc.health.v1, and only it, on this TCP port of every interface "
+         "(no token: for kubelet's gRPC probes; kvmem's service stays on the socket)", _integer(1))  # fmt: skip
     pool = serve.add_argument_group("pool geometry")
     _add(pool, "--page-size", 16, "tokens per page", _integer(1))
     _add(pool, "--num-pages", 4096, "pages in the pool, including the padding page 0",
@@ -378,6 +380,7 @@ def _serve(args: argparse.Namespace) -> int:
         socket_path=socket_path,
         tcp=args.tcp,
         metrics=args.metrics,
+        health_port=args.health_port,
         auth_token=args.auth_token,
         lease_s=args.lease_ms / 1000,
         max_sessions=args.max_sessions,

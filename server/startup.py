@@ -51,6 +51,7 @@ class ServerConfig:
     socket_path: str | None = "/tmp/kvmem.sock"
     tcp: str | None = None  # "HOST:PORT"
     metrics: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
+    health_port: int | None = None  # a TCP port with grpc.health.v1 only (kubelet's gRPC probes); None: off
     auth_token: str | None = None
     lease_s: float = 10.0
     max_sessions: int = 1024  # sessions attached at once (Sessions' limit)
@@ -322,6 +323,10 @@ def check_config(
         _probe_listen("--tcp", cfg.tcp, *_host_port("--tcp", cfg.tcp), every=False)
     if cfg.metrics is not None and metrics_at is not None:
         _probe_listen("--metrics", cfg.metrics, *metrics_at, every=True)
+    if cfg.health_port is not None:
+        if not 0 < cfg.health_port < 65536:
+            raise StartupError(f"--health-port must be in [1, 65535], got {cfg.health_port}")
+        _probe_listen("--health-port", f"0.0.0.0:{cfg.health_port}", "0.0.0.0", cfg.health_port, every=False)
     return core_cfg, pool, devices, metrics_at, page_keys
 
 

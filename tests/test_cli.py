@@ -35,6 +35,7 @@ SERVE_OPTIONS = {
     "--tcp": "none",
     "--auth-token": "none",
     "--metrics": "none",
+    "--health-port": "none",
     "--page-size": "16",
     "--num-pages": "4096",
     "--max-requests": "256",
