@@ -11,208 +11,30 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Sequence
+from typing import Any
 
+from kvmem.server.cli_options import (
+    _ENV_SPEC,
+    DEFAULT_SOCKET,
+    _add,
+    _address,
+    _dash_values,
+    _device,
+    _devices,
+    _dtype,
+    _fill_from_env,
+    _format,
+    _integer,
+    _one_of,
+    _Parser,
+    _positive_float,
+    _size,
+    switch,
+)
 from kvmem.server.logs import LOG_FORMATS
 from kvmem.server.logs import configure as configure_logging
 from kvmem.server.version import VersionAction
-
-DEFAULT_SOCKET = "/tmp/kvmem.sock"
-
-
-_ENV_SPEC = "kvmem_env"  # attribute of an option's Action: (variable, built-in default, parse)
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (no usage block), exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _env_name(flag: str) -> str:
-    return "KVMEM_" + flag.lstrip("-").upper().replace("-", "_")
-
-
-def switch(raw: str) -> bool:
-    """An environment switch: 1/true/yes/on or 0/false/no/off."""
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"must be 1, true, yes, on, 0, false, no or off, got {raw!r}")
-
-
-def _integer(lowest: int, unit: str = "", why: str = "") -> Callable[[str], int]:
-    """An integer option's parse: refuses anything but an integer >= ``lowest``."""
-    noun = f"number of {unit}" if unit else "integer"
-    what = f"a positive {noun}" if lowest == 1 else f"{'an' if noun[0] == 'i' else 'a'} {noun} >= {lowest}"
-
-    def parse(raw: str) -> int:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = None
-        if value is None or value < lowest:
-            raise argparse.ArgumentTypeError(f"must be {what}{why}, got {raw!r}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def _positive_float(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = None
-    if value is None or not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {raw!r}")
-    return value
-
-
-def _one_of(*names: str) -> Callable[[str], str]:
-    def parse(raw: str) -> str:
-        if raw.lower() not in names:
-            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {raw!r}")
-        return raw.lower()
-
-    parse.__name__ = "choice"
-    return parse
-
-
-def _size(raw: str) -> str:
-    """``--memory``: a positive size such as 40GiB (kept as text; the server sizes the pool)."""
-    from kvmem.server.memory.geometry import GeometryError, parse_size
-
-    example = "a size such as 40GiB, 512MiB, 1.5G or 123 (bytes)"
-    if raw.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(f"must not be negative: {example}, got {raw!r}")
-    try:
-        value = parse_size(raw)
-    except GeometryError:
-        raise argparse.ArgumentTypeError(f"must be {example}, got {raw!r}") from None
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {raw!r}")
-    return raw
-
-
-def _address(raw: str) -> str:
-    """HOST:PORT, the rule of :func:`kvmem.server.startup._host_port` (which the server
-    applies again), without importing the server (and torch) to parse a client's flag."""
-    host, sep, port = raw.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"must be HOST:PORT (port 0-65535), got {raw!r}")
-    return raw
-
-
-def _device(raw: str) -> str:
-    kind, colon, index = raw.partition(":")
-    if raw in ("cpu", "none", "cuda") or (kind == "cuda" and colon and index.isdigit()):
-        return raw
-    raise argparse.ArgumentTypeError(f"must be cpu, none, cuda or cuda:N, got {raw!r}")
-
-
-def _devices(raw: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in raw.split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"must be comma-separated GPU indices such as 0,1, got {raw!r}")
-    if len(set(parts)) != len(parts):
-        raise argparse.ArgumentTypeError(f"lists a GPU twice: {raw!r}")
-    return tuple(int(p) for p in parts)
-
-
-def _format(raw: str) -> str:
-    from kvmem.server.memory.geometry import FORMATS
-
-    return _one_of(*FORMATS)(raw)
-
-
-def _dtype(raw: str) -> str:
-    from kvmem.server.memory.geometry import DTYPES
-
-    if raw not in DTYPES:
-        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)}, got {raw!r}")
-    return raw
-
-
-def _add(p: argparse._ActionsContainer, flag: str, default: Any, help: str, type: Callable[[str], Any] = str) -> None:
-    """An option that can also come from its KVMEM_* variable. The variable is read after
-    parsing, and only for the command that was run (:func:`_fill_from_env`), so a bad
-    value of a serve option never breaks ``kvmem health`` or ``--help``."""
-    env = _env_name(flag)
-    shown = "none" if default is None else default
-    action = p.add_argument(flag, type=type, default=argparse.SUPPRESS, help=f"{help} (default: {shown}; env {env})")
-    setattr(action, _ENV_SPEC, (env, default, type))
-
-
-def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
-            sub: argparse.ArgumentParser = action.choices[command]
-            return sub
-    return None
-
-
-def _fill_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Each option of the command run that the command line did not give: from its
-    KVMEM_* variable when set (checked as the option is: a bad value ends the run with
-    one line naming the variable and the value), else its default."""
-    sub = _command_parser(parser, args.command)
-    if sub is None:
-        return
-    for action in sub._actions:
-        spec = getattr(action, _ENV_SPEC, None)
-        if spec is None or hasattr(args, action.dest):
-            continue
-        env, value, parse = spec
-        raw = os.environ.get(env, "")
-        if raw != "":
-            try:
-                value = parse(raw)
-            except argparse.ArgumentTypeError as exc:
-                sub.error(f"{env} (for {action.option_strings[0]}): {exc}")
-            except ValueError:
-                name = getattr(parse, "__name__", "value")
-                sub.error(f"{env} (for {action.option_strings[0]}): invalid {name} value: {raw!r}")
-        setattr(args, action.dest, value)
-
-
-def _dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """``--memory -5GiB`` -> ``--memory=-5GiB``: argparse takes a value that starts with
-    '-' (other than a plain negative number) for an unknown option and answers "expected
-    one argument"; joined, the value reaches the option's own check. A following word
-    that is an option of the command (or an abbreviation of one) is left alone."""
-    command = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
-    sub = None if command is None else _command_parser(parser, argv[command])
-    if command is None or sub is None:
-        return argv
-    known = [o for a in sub._actions for o in a.option_strings]
-    takes_value = [o for a in sub._actions if a.option_strings and a.nargs is None for o in a.option_strings]
-
-    def is_option(word: str) -> bool:
-        name = word.split("=", 1)[0]
-        return word == "--" or name in known or (name.startswith("--") and any(o.startswith(name) for o in known))
-
-    out = argv[: command + 1]
-    rest = iter(argv[command + 1 :])
-    for word in rest:
-        matches = [o for o in takes_value if o == word] or [o for o in takes_value if o.startswith(word)]
-        if word.startswith("--") and len(word) > 2 and len(matches) == 1:
-            value = next(rest, None)
-            if value is not None and value.startswith("-") and not is_option(value):
-                out.append(f"{word}={value}")
-                continue
-            out.append(word)
-            if value is not None:
-                out.append(value)
-            continue
-        out.append(word)
-        if word == "--":
-            out.extend(rest)
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -99,7 +99,7 @@ def _non_negative_float(raw: str) -> float:
 
 def add_parser(sub: Any) -> None:
     """Register ``simulate`` on the ``kvmem`` command's subparsers."""
-    from kvmem.server.cli import DEFAULT_SOCKET, _add, _address, _device, _integer, _positive_float
+    from kvmem.server.cli_options import DEFAULT_SOCKET, _add, _address, _device, _integer, _positive_float
 
     p = sub.add_parser(
         "simulate",
