@@ -24,7 +24,15 @@ from kvmem.server.memory import KVGeometry, MemoryBackend, PoolSpec, format_size
 from kvmem.server.metrics import MetricsServer, RpcStats, build_registry
 from kvmem.server.service import KVMemoryService, add_to_server, geometry_to_proto, handle_to_proto
 from kvmem.server.sessions import Sessions
-from kvmem.server.startup import MemoryNotYet, ServerConfig, StartupError, allocate, check_config, grpc_reason
+from kvmem.server.startup import (
+    MemoryNotYet,
+    ServerConfig,
+    StartupError,
+    access_gid,
+    allocate,
+    check_config,
+    grpc_reason,
+)
 from kvmem.server.tuning import keep_freed_memory
 from kvmem.v1 import kvmem_pb2
 
@@ -152,7 +160,10 @@ class KVMemServer:
         finally:
             os.umask(old_umask)
         if cfg.socket_path is not None:
-            os.chmod(cfg.socket_path, 0o600)
+            gid = access_gid(cfg)
+            if gid is not None:
+                os.chown(cfg.socket_path, -1, gid)
+            os.chmod(cfg.socket_path, cfg.socket_mode)
         self.grpc_server = server
         if cfg.health_port is not None:
             await self._listen_health(cfg.health_port)

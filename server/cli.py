@@ -26,6 +26,7 @@ from kvmem.server.cli_options import (
     _fill_from_env,
     _format,
     _integer,
+    _octal,
     _one_of,
     _Parser,
     _positive_float,
@@ -65,6 +66,10 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--version", action=VersionAction)
     listen = serve.add_argument_group("listening")
     _add(listen, "--socket", DEFAULT_SOCKET, "unix socket path to listen on; 'none' to disable")
+    _add(listen, "--socket-mode", "0600", "who may connect and map the KV memory: 0600 (the server's user) or 0660 "
+         "(also its group); the socket and the shm files alike", _octal)  # fmt: skip
+    _add(listen, "--group", None, "with --socket-mode 0660: the group (name or number) given the socket and the shm "
+         "files, so an engine running as another user of that group can attach")  # fmt: skip
     _add(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)", _address)
     _add(listen, "--auth-token", None, "bearer token TCP clients must send (required beyond loopback)")
     _add(
@@ -200,6 +205,8 @@ def _serve(args: argparse.Namespace) -> int:
     socket_path = None if args.socket in ("", "none") else args.socket
     config = ServerConfig(
         socket_path=socket_path,
+        socket_mode=_octal(args.socket_mode) if isinstance(args.socket_mode, str) else args.socket_mode,
+        access_group=args.group,
         tcp=args.tcp,
         metrics=args.metrics,
         health_port=args.health_port,

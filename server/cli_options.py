@@ -91,6 +91,14 @@ def _size(raw: str) -> str:
     return raw
 
 
+def _octal(raw: str) -> int:
+    """A file mode in octal (``0660``, ``660``, ``0o660``)."""
+    try:
+        return int(raw.removeprefix("0o"), 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an octal file mode such as 0660, got {raw!r}") from None
+
+
 def _address(raw: str) -> str:
     """HOST:PORT, the rule of :func:`kvmem.server.startup._host_port` (which the server
     applies again), without importing the server (and torch) to parse a client's flag."""

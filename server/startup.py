@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import grp
 import importlib.util
 import ipaddress
 import logging
@@ -49,6 +50,10 @@ class StartupError(Exception):
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerConfig:
     socket_path: str | None = "/tmp/kvmem.sock"
+    # Who may connect and map: the socket and the shm files get this mode (0600: the
+    # server's user; 0660: also its group) and, with access_group, that group.
+    socket_mode: int = 0o600
+    access_group: str | None = None  # a group name or number; None: the server's own
     tcp: str | None = None  # "HOST:PORT"
     metrics: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
     health_port: int | None = None  # a TCP port with grpc.health.v1 only (kubelet's gRPC probes); None: off
@@ -156,13 +161,36 @@ def allocate(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ...]) -> Mem
             except RuntimeError as exc:  # no CUDA, a CUDA error: name the option that asked for it
                 raise StartupError(f"{_device_option(cfg)}: {exc}") from None
         try:
-            return ShmBackend(pool, cfg.shm_dir)
+            return ShmBackend(pool, cfg.shm_dir, mode=cfg.socket_mode, gid=access_gid(cfg))
         except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
             raise StartupError(f"--shm-dir {cfg.shm_dir}: {exc}") from None
     except MemoryUnavailable as exc:
         raise MemoryNotYet(str(exc)) from None
     except (GeometryError, ValueError, RuntimeError, OSError) as exc:
         raise StartupError(str(exc)) from None
+
+
+def access_gid(cfg: ServerConfig) -> int | None:
+    """The group id the socket and shm files are given (None: leave the server's), after
+    checking ``--socket-mode`` and ``--group``: the mode is 0600 or 0660 (owner read and
+    write, the group at most the same, others nothing: every session can map the whole
+    KV memory, DESIGN §6), and the server can hand its files to the group."""
+    mode = cfg.socket_mode
+    if mode not in (0o600, 0o660):
+        raise StartupError(f"--socket-mode must be 0600 or 0660 (others never get access), got {mode:04o}")
+    if cfg.access_group is None:
+        return None
+    if mode != 0o660:
+        raise StartupError(f"--group {cfg.access_group} gives its members nothing with --socket-mode 0600: use 0660")
+    try:
+        gid = int(cfg.access_group) if cfg.access_group.isdigit() else grp.getgrnam(cfg.access_group).gr_gid
+    except KeyError:
+        raise StartupError(f"--group {cfg.access_group}: no such group") from None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise StartupError(
+            f"--group {cfg.access_group}: this server's user is not a member, so it cannot give its files to that group"
+        )
+    return gid
 
 
 def _check_socket_path(path: str) -> None:
@@ -319,6 +347,7 @@ def check_config(
             raise StartupError(f"--shm-dir {cfg.shm_dir}: no permission to create files there")
     if cfg.socket_path is not None:
         _check_socket_path(cfg.socket_path)
+    access_gid(cfg)
     if cfg.tcp is not None:
         _probe_listen("--tcp", cfg.tcp, *_host_port("--tcp", cfg.tcp), every=False)
     if cfg.metrics is not None and metrics_at is not None:

@@ -32,6 +32,8 @@ VERSION = importlib.metadata.version("kvmem")
 # Every `kvmem serve` option and its default as the help shows it.
 SERVE_OPTIONS = {
     "--socket": "/tmp/kvmem.sock",
+    "--socket-mode": "0600",
+    "--group": "none",
     "--tcp": "none",
     "--auth-token": "none",
     "--metrics": "none",

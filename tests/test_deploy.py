@@ -220,3 +220,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_pool_that_cannot_fit_dev_shm_is_refused_in_one_line() -> None:
+    """A container's default 64 MiB /dev/shm (a tmpfs of that size here) cannot hold
+    the default pool: the start is refused at once, in one line naming the flags."""
+    directory = short_tmpdir()
+    shm = os.path.join(directory, "shm")
+    os.mkdir(shm)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", shm], capture_output=True)
+    if mounted.returncode != 0:
+        import pytest
+
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
+        cmd = [str(Path(sys.executable).parent / "kvmem"), "serve", "--socket", os.path.join(directory, "s.sock"),
+               "--shm-dir", shm]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+        assert done.returncode == 2 and len(errors) == 1, done.stderr
+        assert "--num-pages/--memory" in errors[0] and "--shm-size" in errors[0]
+        assert os.listdir(shm) == []
+    finally:
+        subprocess.run(["umount", shm], capture_output=True)

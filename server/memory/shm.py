@@ -118,11 +118,14 @@ def _close_shm_files(paths: tuple[str, ...], lock_fd: int, owner_pid: int) -> No
         os.close(lock_fd)
 
 
-def _create_file(path: str, size: int, reserve: bool) -> int:
-    """Create ``path`` (mode 0600, must not exist) of ``size`` bytes and return its fd."""
+def _create_file(path: str, size: int, reserve: bool, mode: int = 0o600, gid: int | None = None) -> int:
+    """Create ``path`` (``mode``, must not exist; group ``gid`` when given) of ``size``
+    bytes and return its fd."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.fchmod(fd, 0o600)  # whatever the umask did
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+        os.fchmod(fd, mode)  # whatever the umask did
         if reserve:
             os.posix_fallocate(fd, 0, size)
         else:
@@ -147,7 +150,9 @@ class ShmBackend(MemoryBackend):
     Files in ``directory``: ``{prefix}-{pid}-{random}.kv`` (the KV cache, one file for
     all layers), ``.bt`` (the int32 block table) and ``.lock`` (held with an exclusive
     ``flock`` for the backend's life; see :func:`remove_stale`, which the constructor
-    runs first). All are mode 0600, so only the server's user can map them.
+    runs first). All are mode 0600, so only the server's user can map them; ``mode``
+    0660 and ``gid`` give the KV and block-table files to a group as well (the lock
+    file stays 0600: clients never open it).
 
     ``pool`` is a :class:`PoolSpec`, validated when it was built; it is not checked again.
 
@@ -175,8 +180,13 @@ class ShmBackend(MemoryBackend):
         prefix: str = "kvmem",
         *,
         reserve: bool = True,
+        mode: int = 0o600,
+        gid: int | None = None,
     ) -> None:
         _check_prefix(prefix)
+        if mode & ~0o660 or mode & 0o600 != 0o600:
+            raise ValueError(f"shm file mode must be 0600 or 0660, got {mode:04o}")
+        self._mode, self._gid = mode, gid
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"shm directory {directory!r} does not exist")
         super().__init__(pool)
@@ -234,7 +244,7 @@ class ShmBackend(MemoryBackend):
 
     def _create_and_map(self, path: str, size: int, reserve: bool) -> mmap.mmap:
         try:
-            fd = _create_file(path, size, reserve)
+            fd = _create_file(path, size, reserve, self._mode, self._gid)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EFBIG):
                 free = os.statvfs(self.directory).f_bavail * os.statvfs(self.directory).f_frsize
