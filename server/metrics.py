@@ -40,7 +40,6 @@ import bisect
 import contextlib
 import functools
 import gzip
-import importlib.metadata
 import logging
 import platform
 from collections.abc import Iterator
@@ -60,6 +59,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
 from kvmem.server.core import AllocStatus
+from kvmem.server.version import version
 
 if TYPE_CHECKING:
     from kvmem.server.sessions import ServerStats, Sessions
@@ -103,12 +103,14 @@ class RpcStats:
 
 @functools.cache
 def build_versions() -> dict[str, str]:
-    """The versions ``kvmem_build_info`` shows (``unknown`` for kvmem when it is not installed)."""
-    try:
-        version = importlib.metadata.version("kvmem")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    return {"version": version, "python": platform.python_version(), "grpc": grpc.__version__, "numpy": np.__version__}
+    """The versions ``kvmem_build_info`` shows; kvmem's is :func:`kvmem.server.version.version`,
+    the one ``kvmem --version``, the first log line and Stats show."""
+    return {
+        "version": version(),
+        "python": platform.python_version(),
+        "grpc": grpc.__version__,
+        "numpy": np.__version__,
+    }
 
 
 class KVMemCollector(Collector):
