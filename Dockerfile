@@ -9,7 +9,8 @@
 #   default index, which for Linux x86_64 serves a CUDA build):
 #     docker build -t kvmem:cuda --build-arg VARIANT=cuda --build-arg TORCH_INDEX_URL=<index> .
 #
-#   docker run --shm-size 1g -v /run/kvmem:/run/kvmem kvmem:cpu serve
+#   docker run --shm-size 1g -v kvmem-sock:/run/kvmem kvmem:cpu serve
+#   (a named volume; a bind-mounted host directory must be writable by uid 10001 or gid 0)
 #
 # docs/DEPLOY.md: sizing /dev/shm and the pool, Kubernetes, GPU notes, security.
 ARG PYTHON=3.11
