@@ -86,6 +86,8 @@ class AllocatorCore:
         self.end_iteration()
 
     def begin_iteration(self) -> Iteration:
+        """Open an iteration block (what ``with iteration():`` does); :meth:`end_iteration`
+        sends it. Blocks do not nest."""
         if self._block is not None:
             raise RuntimeError("an iteration block is already open (blocks do not nest)")
         self._saved, self._block = self._pending.copy(), Iteration()

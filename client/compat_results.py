@@ -96,11 +96,13 @@ class KVLocResult:
 
     @property
     def status(self) -> AllocStatus:
+        """The alloc's :class:`~kvmem.client.step.AllocStatus` (OK, OUT_OF_PAGES, ...)."""
         view = self._checked()
         return AllocStatus(view.status[self._i])
 
     @property
     def ok(self) -> bool:
+        """The alloc succeeded (``bool(result)`` says the same)."""
         view = self._checked()
         return view.status[self._i] == 0
 
@@ -206,6 +208,7 @@ class PendingInt:
 
     @property
     def resolved(self) -> bool:
+        """The block ended: the value is known (or its Step failed)."""
         return self._value is not None or self._error is not None
 
     @property

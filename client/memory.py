@@ -229,6 +229,7 @@ class MappedMemory:
 
     @property
     def num_ranks(self) -> int:
+        """KV allocations mapped: one per tensor-parallel rank (1 on the shm backend)."""
         return len(self._live().kv)
 
     def kv_buffer(self, rank: int = 0) -> torch.Tensor:
@@ -270,6 +271,7 @@ class MappedMemory:
 
     @property
     def closed(self) -> bool:
+        """The mappings were dropped (:meth:`close`, or the session's server is gone)."""
         return self._maps is None
 
     def __enter__(self) -> MappedMemory:

@@ -140,6 +140,7 @@ class StepResult:
 
     @property
     def num_pages_released(self) -> int:
+        """Page references the step's releases and truncates dropped."""
         return self._resp.num_pages_released
 
     @property
@@ -164,9 +165,11 @@ class StepResult:
         return status.count(0) == len(status)
 
     def kv_loc_of(self, i: int) -> torch.Tensor:
+        """The token slots of alloc item ``i`` (a view; empty if it failed)."""
         return self.kv_loc[int(self.kv_loc_offsets[i]) : int(self.kv_loc_offsets[i + 1])]
 
     def new_pages_of(self, i: int) -> torch.Tensor:
+        """The page ids alloc item ``i`` took (a view; empty if it took none or failed)."""
         return self.new_pages[int(self.new_page_offsets[i]) : int(self.new_page_offsets[i + 1])]
 
     def __repr__(self) -> str:
