@@ -17,7 +17,7 @@ import grpc
 
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
-from .channel import CHANNEL_OPTIONS
+from .channel import TLSError
 from .errors import KVMemError, SessionLost
 from .events import AsyncEventStream, watch_request
 from .session import Call, Session
@@ -50,7 +50,7 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
 
     async def attach(self) -> None:
         """Open the channel and attach; the keep-alive task starts on this loop."""
-        self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._channel = self._transport.aio_channel()
         self._stub = kvmem_pb2_grpc.KVMemoryStub(self._channel)
         started = time.monotonic()
         try:
@@ -59,7 +59,7 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
                     await self._perform(self._session.attach())
                     break
                 except KVMemError as err:
-                    delay = self._session.attach_retry(err, started)
+                    delay = None if isinstance(err, TLSError) else self._session.attach_retry(err, started)
                     if delay is None:
                         raise
                     await asyncio.sleep(delay)
@@ -81,7 +81,7 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
             try:
                 response = await rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
             except grpc.RpcError as err:
-                raise self._session.failed(err) from None
+                raise self._transport.error(self._session.failed(err), first=call.method == "Attach") from None
             return self._session.finish(call, response)
         except SessionLost:
             await self._stop_keepalive()  # over for this client: closing the stream tells the server it let go

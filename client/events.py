@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvmem.v1 import kvmem_pb2
 
 from .errors import from_rpc_error
+
+if TYPE_CHECKING:
+    from .channel import Transport
 
 
 def watch_request(from_seq: int = 0, epoch: str = "") -> kvmem_pb2.WatchEventsRequest:
@@ -34,12 +37,16 @@ class EventStream:
     """A blocking iterator of ``KVEventBatch`` messages over one WatchEvents call; it
     ends when :meth:`close` is called (which cancels the call; also on leaving a
     ``with`` block). A failure of the stream (the server shutting down: Unavailable)
-    raises the client's :class:`~kvmem.client.errors.KVMemError` of it."""
+    raises the client's :class:`~kvmem.client.errors.KVMemError` of it (a
+    :class:`~kvmem.client.channel.TLSError` when its own channel, ``transport``, could
+    not connect for a reason of TLS)."""
 
-    def __init__(self, call: Any, on_close: Any = None) -> None:
+    def __init__(self, call: Any, on_close: Any = None, transport: Transport | None = None) -> None:
         self._call = call  # grpc's server-stream call: an iterator that can be cancelled
         self._on_close = on_close
+        self._transport = transport
         self._closed = False
+        self._received = False  # a batch arrived: the connection was up
 
     def __iter__(self) -> EventStream:
         return self
@@ -52,7 +59,11 @@ class EventStream:
         except grpc.RpcError as err:
             if self._closed and err.code() == grpc.StatusCode.CANCELLED:
                 raise StopIteration from None
-            raise from_rpc_error(err) from None
+            error = from_rpc_error(err)
+            if self._transport is not None:
+                error = self._transport.error(error, first=not self._received)
+            raise error from None
+        self._received = True
         return batch
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from kvmem.v1 import kvmem_pb2
 
-from .channel import normalize_target
+from .channel import PemSource, transport
 from .errors import SessionLost
 from .memory import KVLayer, MappedMemory
 from .session import Call, Session
@@ -106,7 +106,13 @@ class ClientBase(Generic[Mode]):
     ``wait_for_ready`` (default on): the Attach waits for a server that is not there yet
     (no socket, connection refused) or not ready (its KV memory not allocated yet:
     ``NOT_READY``), retrying up to ``timeout`` seconds, so a scheduler may start before
-    its sidecar; a server that is shutting down is not waited for."""
+    its sidecar; a server that is shutting down is not waited for. ``tls_ca``: TLS to a
+    ``HOST:PORT`` whose server has ``--tls-cert`` (the CA certificate that signed it, a
+    path or PEM bytes, or ``True`` for gRPC's default roots); ``tls_server_name``: the
+    name to check the certificate against instead of the host; ``tls_cert`` and
+    ``tls_key``: this client's certificate and key, for a server with
+    ``--tls-client-ca`` (see :mod:`kvmem.client.channel`). A TLS mismatch raises
+    :class:`~kvmem.client.channel.TLSError` (an ``Unavailable``) at once."""
 
     _mapped: MappedMemory | None = None
 
@@ -122,8 +128,15 @@ class ClientBase(Generic[Mode]):
         on_views_stale: Callable[[SessionLost], None] | None = None,
         cache_namespace: str = "",
         wait_for_ready: bool = True,
+        tls_ca: PemSource | bool | None = None,
+        tls_server_name: str | None = None,
+        tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None,
     ) -> None:
-        self.target = normalize_target(target)
+        self._transport = transport(
+            target, tls_ca=tls_ca, tls_server_name=tls_server_name, tls_cert=tls_cert, tls_key=tls_key
+        )
+        self.target = self._transport.target
         self._session = Session(
             name=name,
             quota_pages=quota_pages,

@@ -15,7 +15,7 @@ import grpc
 
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
-from .channel import CHANNEL_OPTIONS
+from .channel import TLSError
 from .errors import KVMemError, SessionLost
 from .events import EventStream, watch_request
 from .session import Call, Session
@@ -30,9 +30,10 @@ class KVMemClient(ClientBase[Blocking]):
     (or leaving a ``with`` block) detaches.
 
     ``target`` is a unix socket path (``/tmp/kvmem.sock`` or ``unix:/tmp/kvmem.sock``)
-    or ``HOST:PORT``. Every call takes ``timeout`` seconds (default: the client's).
-    A keep-alive thread holds the session's lease; if the session breaks, the next call
-    raises :class:`~kvmem.client.errors.SessionLost`.
+    or ``HOST:PORT`` (TLS with ``tls_ca``: see :class:`~kvmem.client.surface.ClientBase`).
+    Every call takes ``timeout`` seconds (default: the client's). A keep-alive thread
+    holds the session's lease; if the session breaks, the next call raises
+    :class:`~kvmem.client.errors.SessionLost`.
     """
 
     _channel: grpc.Channel | None
@@ -42,7 +43,7 @@ class KVMemClient(ClientBase[Blocking]):
         self._closing = threading.Event()
         self._keepalive_call: Any = None  # grpc's stream call: an iterator that can be cancelled
         self._keepalive_thread: threading.Thread | None = None
-        self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._channel = self._transport.channel()
         self._stub = kvmem_pb2_grpc.KVMemoryStub(self._channel)
         started = time.monotonic()
         try:
@@ -51,7 +52,7 @@ class KVMemClient(ClientBase[Blocking]):
                     self._perform(self._session.attach())
                     break
                 except KVMemError as err:
-                    delay = self._session.attach_retry(err, started)
+                    delay = None if isinstance(err, TLSError) else self._session.attach_retry(err, started)
                     if delay is None:
                         raise
                     time.sleep(delay)
@@ -71,7 +72,7 @@ class KVMemClient(ClientBase[Blocking]):
             try:
                 response = rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
             except grpc.RpcError as err:
-                raise self._session.failed(err) from None
+                raise self._transport.error(self._session.failed(err), first=call.method == "Attach") from None
             return self._session.finish(call, response)
         except SessionLost:
             self._stop_keepalive()  # over for this client: closing the stream tells the server it let go

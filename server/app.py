@@ -32,6 +32,7 @@ from kvmem.server.startup import (
     allocate,
     check_config,
     grpc_reason,
+    plan_tls,
 )
 from kvmem.server.tuning import keep_freed_memory
 from kvmem.v1 import kvmem_pb2
@@ -150,10 +151,17 @@ class KVMemServer:
             finally:
                 os.umask(old_umask)
         if cfg.tcp is not None:
+            tls = plan_tls(cfg)  # checked by check_config already; read again for the credentials
             try:
-                server.add_insecure_port(cfg.tcp)
+                if tls is None:
+                    server.add_insecure_port(cfg.tcp)
+                else:
+                    server.add_secure_port(cfg.tcp, tls.credentials())
             except RuntimeError as exc:
                 raise StartupError(f"--tcp {cfg.tcp}: cannot listen ({grpc_reason(exc)})") from None
+            if tls is not None:
+                log.info("--tcp %s: TLS (%s)", cfg.tcp, "client certificates required: --tls-client-ca"
+                         if tls.client_ca is not None else "no client certificates")  # fmt: skip
         old_umask = os.umask(0o177)
         try:
             await server.start()

@@ -71,7 +71,13 @@ def _add_serve(sub: Any) -> None:
     _add(listen, "--group", None, "with --socket-mode 0660: the group (name or number) given the socket and the shm "
          "files, so an engine running as another user of that group can attach")  # fmt: skip
     _add(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)", _address)
-    _add(listen, "--auth-token", None, "bearer token TCP clients must send (required beyond loopback)")
+    _add(listen, "--auth-token", None, "bearer token TCP clients must send (required beyond loopback, with TLS "
+         "or without)")  # fmt: skip
+    _add(listen, "--tls-cert", None, "PEM certificate (chain) of the --tcp port: TLS on it, with --tls-key; the "
+         "unix socket stays plaintext (mode 0600)")  # fmt: skip
+    _add(listen, "--tls-key", None, "PEM private key (unencrypted) of --tls-cert")
+    _add(listen, "--tls-client-ca", None, "with --tls-cert: require TCP clients to present a certificate signed by "
+         "a CA in this PEM file (mutual TLS; the bearer token is still required beyond loopback)")  # fmt: skip
     _add(
         listen,
         "--metrics",
@@ -178,6 +184,13 @@ def _add_client_commands(sub: Any) -> None:
         _add(p, "--socket", DEFAULT_SOCKET, "unix socket of the server")
         _add(p, "--tcp", None, "HOST:PORT of the server instead of the socket", _address)
         _add(p, "--auth-token", None, "bearer token for TCP")
+        _add(p, "--tls-ca", None, "with --tcp: TLS, checking the server's certificate against the CA(s) in this "
+             "PEM file")  # fmt: skip
+        _add(p, "--tls-server-name", None, "with --tls-ca: the name the server's certificate must have, when it "
+             "is not --tcp's host")  # fmt: skip
+        _add(p, "--tls-client-cert", None, "with --tls-ca: this client's PEM certificate, for a server with "
+             "--tls-client-ca")  # fmt: skip
+        _add(p, "--tls-client-key", None, "the PEM private key of --tls-client-cert")
         p.add_argument("--timeout", type=_positive_float, default=3.0,
                        help="seconds to wait for an answer (default: 3)")  # fmt: skip
         if name == "health":
@@ -211,6 +224,9 @@ def _serve(args: argparse.Namespace) -> int:
         metrics=args.metrics,
         health_port=args.health_port,
         auth_token=args.auth_token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         lease_s=args.lease_ms / 1000,
         max_sessions=args.max_sessions,
         quarantine_s=None if args.quarantine_ms is None else args.quarantine_ms / 1000,

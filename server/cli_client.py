@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -18,16 +19,57 @@ def _target(args: argparse.Namespace) -> str:
     return f"unix:{args.socket}"
 
 
+def _tls(args: argparse.Namespace) -> dict[str, Any]:
+    """The client's TLS arguments from --tls-ca, --tls-server-name, --tls-client-cert and
+    --tls-client-key (TCP only: the unix socket is plaintext)."""
+    return {
+        "tls_ca": args.tls_ca,
+        "tls_server_name": args.tls_server_name,
+        "tls_cert": args.tls_client_cert,
+        "tls_key": args.tls_client_key,
+    }
+
+
+def _transport(args: argparse.Namespace, command: str) -> Any:
+    """The client's Transport for the target, or None after a one-line error on stderr
+    (a TLS option without --tcp, a file that cannot be read)."""
+    from kvmem.client.channel import transport
+
+    options = ("--tls-ca", "--tls-server-name", "--tls-client-cert", "--tls-client-key")
+    given = [o for o in options if getattr(args, o[2:].replace("-", "_")) is not None]
+    if given and not args.tcp:
+        print(f"kvmem {command}: {given[0]} needs --tcp HOST:PORT (the unix socket is plaintext)", file=sys.stderr)
+        return None
+    try:
+        return transport(_target(args), **_tls(args))
+    except ValueError as exc:  # named by the library's parameters: say the options instead
+        text = re.sub(r"\btls_(ca|server_name|cert|key)\b", lambda m: _OPTION_OF[m.group(0)], str(exc))
+        print(f"kvmem {command}: {text}", file=sys.stderr)
+        return None
+
+
+_OPTION_OF = {
+    "tls_ca": "--tls-ca",
+    "tls_server_name": "--tls-server-name",
+    "tls_cert": "--tls-client-cert",
+    "tls_key": "--tls-client-key",
+}
+
+
 def health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(_target(args)) as channel:
+    how = _transport(args, "health")
+    if how is None:
+        return 2
+    with how.channel() as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
         except grpc.RpcError as err:
-            print(f"kvmem health: {_target(args)}: {err.code().name}: {err.details()}", file=sys.stderr)
+            details = how.explain(err.details() or "", first=True) or err.details()
+            print(f"kvmem health: {_target(args)}: {err.code().name}: {details}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     what = "readiness" if args.service else "liveness"
@@ -38,6 +80,8 @@ def health(args: argparse.Namespace) -> int:
 def stats(args: argparse.Namespace) -> int:
     """``kvmem stats``: once, or with ``--watch``/``--count`` refreshed until Ctrl-C (exit 0)
     or the count is reached (the exit status of the last refresh)."""
+    if _transport(args, "stats") is None:
+        return 2
     if args.watch is None and args.count is None:
         out, code, reached = _snapshot(args, compact=False)
         print(out, file=sys.stdout if reached else sys.stderr)
@@ -83,7 +127,7 @@ def _snapshot(args: argparse.Namespace, *, compact: bool) -> tuple[str, int, boo
     from kvmem.client.errors import KVMemError
 
     try:
-        s = fetch_stats(_target(args), audit=args.audit, timeout=args.timeout, auth_token=args.auth_token)
+        s = fetch_stats(_target(args), audit=args.audit, timeout=args.timeout, auth_token=args.auth_token, **_tls(args))
     except KVMemError as err:
         return f"kvmem stats: {_target(args)}: {err}", 1, False
     code = 0 if (not s.audit.ran or s.audit.ok) else 1

@@ -29,6 +29,8 @@ from kvmem.server.memory import (
     pages_for_budget,
     parse_size,
 )
+from kvmem.server.tls import ServerTLS, TLSConfigError
+from kvmem.server.tls import load as load_tls
 
 if TYPE_CHECKING:
     from kvmem.server.memory import CudaBackend
@@ -58,6 +60,9 @@ class ServerConfig:
     metrics: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
     health_port: int | None = None  # a TCP port with grpc.health.v1 only (kubelet's gRPC probes); None: off
     auth_token: str | None = None
+    tls_cert: str | None = None  # PEM certificate (chain) of the TCP port: TLS there (kvmem.server.tls)
+    tls_key: str | None = None  # its private key
+    tls_client_ca: str | None = None  # PEM CA(s) that TCP clients' certificates must chain to (mutual TLS)
     lease_s: float = 10.0
     max_sessions: int = 1024  # sessions attached at once (Sessions' limit)
     quarantine_s: float | None = None  # a lapsed session's pages stay out of use; None: six leases
@@ -235,7 +240,9 @@ def _host_port(option: str, address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _check_tcp(address: str, auth_token: str | None) -> None:
+def _check_tcp(address: str, auth_token: str | None, tls: bool = False) -> None:
+    """Beyond loopback a bearer token is required, with TLS or without (TLS keeps it
+    private on the wire; it does not replace it); without TLS there, a warning."""
     host, _ = _host_port("--tcp", address)
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -246,6 +253,20 @@ def _check_tcp(address: str, auth_token: str | None) -> None:
             f"--tcp {address} listens beyond loopback: "
             "set --auth-token (or KVMEM_AUTH_TOKEN) so clients must present it"
         )
+    if not loopback and not tls:
+        log.warning(
+            "--tcp %s listens beyond loopback without TLS: the bearer token and every call cross the network in "
+            "plaintext; set --tls-cert and --tls-key", address,
+        )  # fmt: skip
+
+
+def plan_tls(cfg: ServerConfig) -> ServerTLS | None:
+    """The --tcp port's TLS (--tls-cert, --tls-key, --tls-client-ca), its files read and
+    checked; None: plaintext. A StartupError naming the option otherwise."""
+    try:
+        return load_tls(cfg)
+    except TLSConfigError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def _probe_listen(option: str, address: str, host: str, port: int, *, every: bool) -> None:
@@ -333,8 +354,9 @@ def check_config(
         raise StartupError(f"--quarantine-ms must be >= 0, got {cfg.quarantine_s * 1000:g}")
     if cfg.max_sessions < 1:
         raise StartupError(f"--max-sessions must be >= 1, got {cfg.max_sessions}")
+    tls = plan_tls(cfg)
     if cfg.tcp is not None:
-        _check_tcp(cfg.tcp, cfg.auth_token)
+        _check_tcp(cfg.tcp, cfg.auth_token, tls=tls is not None)
     metrics_at = None if cfg.metrics is None else _host_port("--metrics", cfg.metrics)
     page_keys = plan_prefix(cfg)
     core_cfg, pool, devices = _plan_pool(cfg)
