@@ -28,6 +28,7 @@ _WHERE = {
     "AsyncEventStream": "kvmem.client.events",
     "MappedMemory": "kvmem.client.memory",
     "KVAllocator": "kvmem.client.compat",  # the reference allocator's interface (a drop-in)
+    "TLSError": "kvmem.client.channel",  # an Unavailable: the connection failed for a reason of TLS
     **{
         name: "kvmem.client.errors"
         for name in (
@@ -67,6 +68,7 @@ __all__ = [
     "Reason",
     "SessionLost",
     "StepResult",
+    "TLSError",
     "TooManySessions",
     "Unauthenticated",
     "Unavailable",
