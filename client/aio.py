@@ -21,6 +21,7 @@ from .channel import TLSError
 from .errors import KVMemError, SessionLost
 from .events import AsyncEventStream, watch_request
 from .session import Call, Session
+from .stepstream import AsyncStepStream
 from .surface import Awaiting, ClientBase
 
 T = TypeVar("T")
@@ -41,6 +42,7 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
         self._channel: grpc.aio.Channel | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
+        self._steps: AsyncStepStream | None = None  # opened at the first Step (step_stream)
 
     @classmethod
     async def connect(cls, target: str, **kwargs: Any) -> AsyncKVMemClient:
@@ -76,10 +78,18 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
         return await self._perform(build(self._session, *args, **kwargs))
 
     async def _perform(self, call: Call[T]) -> T:
-        rpc = getattr(self._stub, call.method)
         try:
             try:
-                response = await rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
+                if call.method == "Step" and self._step_stream:
+                    stream = self._steps
+                    if stream is None or not stream.usable:
+                        if stream is not None:
+                            stream.close()
+                        stream = self._steps = AsyncStepStream(self._stub, self._session.metadata)
+                    response = self._session.streamed(await stream.step(call.request, call.timeout))
+                else:
+                    rpc = getattr(self._stub, call.method)
+                    response = await rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
             except grpc.RpcError as err:
                 raise self._transport.error(self._session.failed(err), first=call.method == "Attach") from None
             return self._session.finish(call, response)
@@ -89,6 +99,12 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
         finally:
             if call.ends_session:
                 await self._stop_keepalive()
+                self._close_steps()
+
+    def _close_steps(self) -> None:
+        stream, self._steps = self._steps, None
+        if stream is not None:
+            stream.close()
 
     def watch_events(self, from_seq: int = 0, epoch: str = "") -> AsyncEventStream:
         """The prefix cache's events from batch ``from_seq`` of ``epoch`` (empty: the
@@ -114,6 +130,7 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
 
     async def _shutdown(self) -> None:
         await self._stop_keepalive()
+        self._close_steps()
         self._unmap()
         channel, self._channel = self._channel, None
         if channel is not None:

@@ -120,22 +120,32 @@ def from_rpc_error(err: grpc.RpcError) -> KVMemError:
     """The domain exception for a failed call (sync ``RpcError`` or asyncio
     ``AioRpcError``: both are calls whose ``code()``, ``details()`` and
     ``trailing_metadata()`` answer at once)."""
-    code: grpc.StatusCode = err.code()
-    message: str = err.details() or ""
-    info = _error_info(err)
+    try:
+        status: status_pb2.Status | None = rpc_status.from_call(err)
+    except (AttributeError, TypeError, ValueError, DecodeError):
+        status = None  # malformed, or disagreeing with the call's code and message (a proxy's rewrite)
+    return _domain_error(err.code(), err.details() or "", status)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status(status: status_pb2.Status) -> KVMemError:
+    """The domain exception for a ``google.rpc.Status`` the server sent in-band (a
+    StepStream answer's ``error``): the same as the unary call's failure would give."""
+    return _domain_error(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, status)
+
+
+def _domain_error(code: grpc.StatusCode, message: str, status: status_pb2.Status | None) -> KVMemError:
+    info = _error_info(status)
     raw = "" if info is None else info.reason
     cls = _BY_REASON.get(parse_reason(raw)) or _BY_CODE.get(code, KVMemError)
     return cls(code, raw, message, None if info is None else dict(info.metadata))
 
 
-def _error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
-    """kvmem's ``ErrorInfo`` among the failed call's ``google.rpc.Status`` details, or
-    None: no detail, another domain's, or a status that is malformed or disagrees with
-    the call's code and message (a proxy's rewrite) is no kvmem reason."""
-    try:
-        status: status_pb2.Status | None = rpc_status.from_call(err)
-    except (AttributeError, TypeError, ValueError, DecodeError):
-        return None
+def _error_info(status: status_pb2.Status | None) -> error_details_pb2.ErrorInfo | None:
+    """kvmem's ``ErrorInfo`` among a status's details, or None: no status, no detail,
+    or another domain's is no kvmem reason."""
     for detail in () if status is None else status.details:
         info = error_details_pb2.ErrorInfo()
         if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == ERROR_DOMAIN:

@@ -47,6 +47,33 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 _INT32 = np.iinfo(np.int32)
 
 
+def add_column(columns: dict[str, Any], name: str, values: IntsLike) -> None:
+    """``values`` into ``columns`` as the StepRequest's column ``name``: a 1-D integer
+    array or CPU tensor as its int32 LE bytes twin ``name_i32`` (no varint per item on
+    either side), a list or tuple (or anything else) as the repeated field, where
+    protobuf checks it. An array with a value outside int32 goes as the repeated field
+    too, so the server names the value as it would any other bad one."""
+    kind = type(values)
+    if kind is list or kind is tuple:
+        columns[name] = values
+        return
+    a: Any = values
+    if isinstance(a, torch.Tensor):
+        if a.device.type != "cpu" or a.requires_grad:
+            a = a.detach().cpu()
+        a = a.numpy()
+    if isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iu":
+        if a.dtype == np.int32 or (
+            a.size and int(a.min(initial=0)) >= _INT32.min and int(a.max(initial=0)) <= _INT32.max
+        ):
+            columns[f"{name}_i32"] = a.astype("<i4", copy=False).tobytes()
+            return
+        if not a.size:
+            columns[name] = ()
+            return
+    columns[name] = as_ints(values)
+
+
 def _token_array(tokens: TokensLike, where: str) -> np.ndarray:
     """One token list as an int32 array (no copy when it is one already); ValueError or
     TypeError naming ``where`` for anything but a 1-D list of integers in int32."""
@@ -77,6 +104,29 @@ def pack_tokens(lists: Sequence[TokensLike | None], name: str) -> tuple[bytes, b
     offsets[1:] = np.cumsum([p.size for p in parts])
     ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
     return ids.astype("<i4", copy=False).tobytes(), offsets.tobytes()
+
+
+def prefix_columns(
+    columns: dict[str, Any],
+    release_token_ids: Sequence[TokensLike | None] | None,
+    cache: Sequence[tuple[int, TokensLike]] | None,
+    match: Sequence[tuple[int, TokensLike] | tuple[int, TokensLike, int | None]] | None,
+) -> None:
+    """The Step's prefix-cache columns: slots as ints, token lists packed (int32 LE
+    bytes with offsets), max tokens only when an item has one (-1: none)."""
+    if release_token_ids is not None:
+        columns["release_token_ids"], columns["release_token_offsets"] = pack_tokens(
+            release_token_ids, "release_token_ids"
+        )
+    if cache:
+        columns["cache_slots"] = [int(item[0]) for item in cache]
+        columns["cache_token_ids"], columns["cache_token_offsets"] = pack_tokens([item[1] for item in cache], "cache")
+    if match:
+        columns["match_slots"] = [int(item[0]) for item in match]
+        columns["match_token_ids"], columns["match_token_offsets"] = pack_tokens([item[1] for item in match], "match")
+        limits = [-1 if len(item) < 3 or item[2] is None else int(item[2]) for item in match]
+        if any(limit != -1 for limit in limits):
+            columns["match_max_tokens"] = limits
 
 
 class _BytesView:

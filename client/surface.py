@@ -112,7 +112,13 @@ class ClientBase(Generic[Mode]):
     name to check the certificate against instead of the host; ``tls_cert`` and
     ``tls_key``: this client's certificate and key, for a server with
     ``--tls-client-ca`` (see :mod:`kvmem.client.channel`). A TLS mismatch raises
-    :class:`~kvmem.client.channel.TLSError` (an ``Unavailable``) at once."""
+    :class:`~kvmem.client.channel.TLSError` (an ``Unavailable``) at once.
+    ``step_stream`` (default on): the Steps (``step``, ``alloc``, ``truncate``,
+    ``release``, ``match``, ``cache``) go over one long-lived StepStream, opened at the
+    first, with the same results and errors as the unary ``Step`` and no call set-up per
+    step; off, each Step is a unary call (see :mod:`kvmem.client.stepstream`). Steps of
+    one client go one at a time on the stream (threads of the blocking client wait
+    their turn)."""
 
     _mapped: MappedMemory | None = None
 
@@ -132,6 +138,7 @@ class ClientBase(Generic[Mode]):
         tls_server_name: str | None = None,
         tls_cert: PemSource | None = None,
         tls_key: PemSource | None = None,
+        step_stream: bool = True,
     ) -> None:
         self._transport = transport(
             target, tls_ca=tls_ca, tls_server_name=tls_server_name, tls_cert=tls_cert, tls_key=tls_key
@@ -146,6 +153,7 @@ class ClientBase(Generic[Mode]):
             cache_namespace=cache_namespace,
             wait_for_ready=wait_for_ready,
         )
+        self._step_stream = step_stream
         self._on_views_stale = on_views_stale
         self._session.on_views_stale = self._views_stale
         self._setup()

@@ -19,6 +19,7 @@ from .channel import TLSError
 from .errors import KVMemError, SessionLost
 from .events import EventStream, watch_request
 from .session import Call, Session
+from .stepstream import StepStream
 from .surface import Blocking, ClientBase
 
 T = TypeVar("T")
@@ -43,6 +44,8 @@ class KVMemClient(ClientBase[Blocking]):
         self._closing = threading.Event()
         self._keepalive_call: Any = None  # grpc's stream call: an iterator that can be cancelled
         self._keepalive_thread: threading.Thread | None = None
+        self._steps: StepStream | None = None  # opened at the first Step (step_stream)
+        self._steps_lock = threading.Lock()
         self._channel = self._transport.channel()
         self._stub = kvmem_pb2_grpc.KVMemoryStub(self._channel)
         started = time.monotonic()
@@ -67,10 +70,13 @@ class KVMemClient(ClientBase[Blocking]):
         return self._perform(build(self._session, *args, **kwargs))
 
     def _perform(self, call: Call[T]) -> T:
-        rpc = getattr(self._stub, call.method)
         try:
             try:
-                response = rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
+                if call.method == "Step" and self._step_stream:
+                    response = self._session.streamed(self._stream_step(call))
+                else:
+                    rpc = getattr(self._stub, call.method)
+                    response = rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
             except grpc.RpcError as err:
                 raise self._transport.error(self._session.failed(err), first=call.method == "Attach") from None
             return self._session.finish(call, response)
@@ -80,6 +86,28 @@ class KVMemClient(ClientBase[Blocking]):
         finally:
             if call.ends_session:
                 self._stop_keepalive()
+                self._close_steps()
+
+    def _stream_step(self, call: Call[T]) -> kvmem_pb2.StepResponse:
+        """``call`` on the step stream, opened (again) when there is none that works;
+        anything but an answer leaves the stream done, and the next step opens another."""
+        with self._steps_lock:
+            stream = self._steps
+            if stream is None or not stream.usable:
+                if stream is not None:
+                    stream.close()
+                stream = self._steps = StepStream(self._stub, self._session.metadata)
+        try:
+            return stream.step(call.request, call.timeout)
+        except BaseException:
+            stream.close()
+            raise
+
+    def _close_steps(self) -> None:
+        with self._steps_lock:
+            stream, self._steps = self._steps, None
+        if stream is not None:
+            stream.close()
 
     def watch_events(self, from_seq: int = 0, epoch: str = "") -> EventStream:
         """The prefix cache's events from batch ``from_seq`` of ``epoch`` (empty: the
@@ -104,6 +132,7 @@ class KVMemClient(ClientBase[Blocking]):
 
     def _shutdown(self) -> None:
         self._stop_keepalive()
+        self._close_steps()
         self._unmap()
         channel, self._channel = self._channel, None
         if channel is not None:

@@ -21,6 +21,14 @@ PROTO_ROOT = Path(__file__).resolve().parent
 PACKAGE = Path("kvmem") / "v1"
 
 
+def _googleapis_protos() -> Path:
+    """Where googleapis-common-protos keeps ``google/rpc/status.proto`` (a dependency of
+    grpcio-status, which kvmem needs anyway): the include root for the import."""
+    from google.rpc import status_pb2
+
+    return Path(status_pb2.__file__).resolve().parents[2]
+
+
 def generate(out_dir: Path) -> list[Path]:
     """Run protoc on every .proto of the package into out_dir; return the files made."""
     from grpc_tools import protoc  # a test extra: `pip install kvmem[test]`
@@ -31,6 +39,7 @@ def generate(out_dir: Path) -> list[Path]:
         "protoc",
         f"-I{PROTO_ROOT}",
         f"-I{include}",
+    f"-I{_googleapis_protos()}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",

@@ -14,7 +14,7 @@ A scrape of ``GET /metrics`` shows (names under ``kvmem_``):
   (``OUT_OF_PAGES`` is memory pressure), sessions ended and why;
 - per RPC method: calls by gRPC code, errors by kvmem reason, and a histogram of the
   handler's time in the server (validation, the core, building the response message;
-  not the transport);
+  not the transport); each message of a StepStream is one call of ``StepStream``;
 - the process (CPU seconds, resident memory, open files) from prometheus_client.
 
 The gauges are read from the sessions layer when a scrape arrives, so the hot path pays
@@ -244,7 +244,9 @@ class KVMemCollector(Collector):
     def _rpc(self) -> Iterator[Metric]:
         rpc = self.rpc
         calls = CounterMetricFamily(
-            "kvmem_rpc_calls", "Unary calls handled, by method and gRPC code.", labels=["method", "code"]
+            "kvmem_rpc_calls",
+            "Calls handled, by method and gRPC code (each message on a StepStream is one call of StepStream).",
+            labels=["method", "code"],
         )
         for (method, code), n in sorted(rpc.calls.items()):
             calls.add_metric([method, code], n)

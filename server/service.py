@@ -24,7 +24,15 @@ from kvmem.server.metrics import RpcStats
 from kvmem.server.refusals import RefusalLog
 from kvmem.server.sessions import Sessions
 from kvmem.server.version import version
-from kvmem.server.wire import STATUS_CODE, Malformed, deserializer, stats_response, step_batch, step_response
+from kvmem.server.wire import (
+    STATUS_CODE,
+    Malformed,
+    deserializer,
+    refused_step,
+    stats_response,
+    step_batch,
+    step_response,
+)
 from kvmem.server.wire import geometry_to_proto as geometry_to_proto  # re-exported: the service's vocabulary
 from kvmem.server.wire import handle_to_proto as handle_to_proto
 from kvmem.server.wire import to_status as _to_status
@@ -71,36 +79,17 @@ def _unary(
     method: Callable[[KVMemoryService, Req, grpc.aio.ServicerContext], Resp],
 ) -> Callable[[KVMemoryService, Req, grpc.aio.ServicerContext], Coroutine[Any, Any, Resp]]:
     """Make a plain handler (it never awaits: each call is one critical section on the
-    event loop) the coroutine gRPC calls; turn a KVMemError (and an auth failure) into
-    its status. A body that did not parse (:class:`Malformed`) is refused as
-    INVALID_ARGUMENT; every refusal is counted in the service's :class:`RefusalLog`
-    (rate-limited summaries, never a line per call), corruption logged each time.
-    With metrics on (``rpc_stats`` set), count the call by its code and time the
-    handler; off, the call pays two ``is None`` tests for it (the timing costs ~2% of a
-    256-item Step's round trip, measured)."""
+    event loop) the coroutine gRPC calls (:meth:`KVMemoryService._handle` runs it); a
+    refusal becomes the call's status."""
     name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: KVMemoryService, request: Req, context: grpc.aio.ServicerContext) -> Resp:
-        stats = self.rpc_stats
-        started = 0.0 if stats is None else time.perf_counter()
-        code, reason = "OK", None
-        try:
-            self._admit(context)
-            if isinstance(request, Malformed):
-                raise request.error(name)
-            return method(self, request, context)
-        except KVMemError as err:
-            code, reason = STATUS_CODE[err.kind].name, err.reason.name
-            self._refused(context, name, err)
-            await context.abort_with_status(_to_status(err))
-            raise AssertionError("abort_with_status returned") from err  # it always raises
-        except Exception:
-            code = grpc.StatusCode.UNKNOWN.name  # what gRPC answers for an unexpected exception
-            raise
-        finally:
-            if stats is not None:
-                stats.record(name, code, reason, time.perf_counter() - started)
+        response, refused = self._handle(name, method, request, context, admit=True)
+        if refused is not None:
+            await context.abort_with_status(_to_status(refused))
+            raise AssertionError("abort_with_status returned") from refused  # it always raises
+        return response  # type: ignore[return-value]  # set when not refused
 
     return wrapper
 
@@ -119,7 +108,8 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         self.memory_handles: list[kvmem_pb2.MemoryHandle] = []
         self.memory_backend = "none"
         self._auth = None if auth_token is None else f"Bearer {auth_token}".encode()
-        self.keepalive_tasks: set[asyncio.Task[Any]] = set()
+        # The handler tasks of the session streams (KeepAlive, StepStream): shutdown ends them.
+        self.stream_tasks: set[asyncio.Task[Any]] = set()
         self.stopping = asyncio.Event()
         self.rpc_stats: RpcStats | None = None  # set by the server when it serves metrics
         self.refusals = RefusalLog()  # flushed by the server at shutdown
@@ -147,6 +137,42 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
                 Reason.NOT_READY, "the server has started but waits for its KV memory (readiness NOT_SERVING): retry"
             )
         return self._sessions
+
+    def _handle(
+        self,
+        name: str,
+        method: Callable[[KVMemoryService, Req, grpc.aio.ServicerContext], Resp],
+        request: Req,
+        context: grpc.aio.ServicerContext,
+        *,
+        admit: bool,
+    ) -> tuple[Resp | None, KVMemError | None]:
+        """Run one call's handler: ``(response, None)``, or ``(None, err)`` when it is
+        refused (a KVMemError, an auth failure with ``admit``, a body that did not parse:
+        :class:`Malformed`, INVALID_ARGUMENT). Every refusal is counted in the service's
+        :class:`RefusalLog` (rate-limited summaries, never a line per call), corruption
+        logged each time. With metrics on (``rpc_stats`` set), the call is counted by its
+        code and the handler timed; off, it pays two ``is None`` tests for that (the
+        timing costs ~2% of a 256-item Step's round trip, measured)."""
+        stats = self.rpc_stats
+        started = 0.0 if stats is None else time.perf_counter()
+        code, reason = "OK", None
+        try:
+            if admit:
+                self._admit(context)
+            if isinstance(request, Malformed):
+                raise request.error(name)
+            return method(self, request, context), None
+        except KVMemError as err:
+            code, reason = STATUS_CODE[err.kind].name, err.reason.name
+            self._refused(context, name, err)
+            return None, err
+        except Exception:
+            code = grpc.StatusCode.UNKNOWN.name  # what gRPC answers for an unexpected exception
+            raise
+        finally:
+            if stats is not None:
+                stats.record(name, code, reason, time.perf_counter() - started)
 
     def _admit(self, context: grpc.aio.ServicerContext) -> None:
         """Refuse every call once the drain of a shutdown is over (UNAVAILABLE, with the
@@ -206,6 +232,9 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
 
     @_unary
     def Step(self, request: kvmem_pb2.StepRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StepResponse:
+        return self._step(request, context)
+
+    def _step(self, request: kvmem_pb2.StepRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StepResponse:
         batch = step_batch(request)
         sessions = self.sessions  # a property (NOT_READY before the pool exists): read once
         result = sessions.step(request.session_id, batch)
@@ -218,6 +247,44 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         response = stats_response(stats, sessions.epoch, self.geometry, self.memory_backend, len(sessions.quarantined))
         response.version = version()
         return response
+
+    async def StepStream(
+        self, request_iterator: AsyncIterator[kvmem_pb2.StepRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvmem_pb2.StepResponse]:
+        """Steps on one stream: each message is handled as a unary Step would be, and a
+        refused one is answered in-band (:func:`~kvmem.server.wire.refused_step`), the
+        stream going on. The token is checked once, at the stream's start. Once a
+        shutdown's drain is over the stream ends with UNAVAILABLE (SHUTTING_DOWN), at
+        the next message or at once if it waits for one, as a unary Step would fail."""
+        try:
+            self._admit(context)
+        except KVMemError as err:
+            self._refused(context, "StepStream", err)
+            await context.abort_with_status(_to_status(err))
+            raise AssertionError("abort_with_status returned") from err  # it always raises
+        task = asyncio.current_task()
+        assert task is not None
+        self.stream_tasks.add(task)
+        step = KVMemoryService._step
+        try:
+            async for request in request_iterator:
+                if self.stopping.is_set():
+                    break
+                response, refused = self._handle("StepStream", step, request, context, admit=False)
+                if refused is not None:
+                    response = refused_step(refused, "" if self._sessions is None else self._sessions.epoch)
+                assert response is not None
+                yield response
+        except asyncio.CancelledError:
+            if not self.stopping.is_set():
+                raise  # gRPC cancelled the call: the peer is gone, there is no one to answer
+            # Shutdown cancels this task (see KeepAlive): end the stream with a status.
+        finally:
+            self.stream_tasks.discard(task)
+        if self.stopping.is_set():
+            await context.abort_with_status(
+                _to_status(KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: it takes no more calls"))
+            )
 
     async def WatchEvents(
         self, request: kvmem_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
@@ -273,7 +340,7 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         session_id = None
         task = asyncio.current_task()
         assert task is not None
-        self.keepalive_tasks.add(task)
+        self.stream_tasks.add(task)
         reply = kvmem_pb2.KeepAliveResponse(epoch=sessions.epoch)
         ended_by_server = False
         try:
@@ -302,6 +369,6 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
                 _to_status(KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: this session ended"))
             )
         finally:
-            self.keepalive_tasks.discard(task)
+            self.stream_tasks.discard(task)
             if session_id is not None and not ended_by_server and not self.stopping.is_set():
                 sessions.stream_gone(session_id)

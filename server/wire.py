@@ -47,14 +47,25 @@ _WIRE_REASON = {
 }
 
 
-def to_status(err: KVMemError) -> grpc.Status:
-    """The status of a refused call: the kind's code, the message, and the reason (a
-    name of the proto's ErrorReason) with the offending values as an ErrorInfo."""
+def status_proto(err: KVMemError) -> status_pb2.Status:
+    """The ``google.rpc.Status`` of a refused call: the kind's code, the message, and the
+    reason (a name of the proto's ErrorReason) with the offending values as an ErrorInfo.
+    A unary call fails with it (:func:`to_status`); on StepStream it is the answer's
+    ``error`` (:func:`refused_step`)."""
     info = error_details_pb2.ErrorInfo(reason=_WIRE_REASON[err.reason], domain=ERROR_DOMAIN, metadata=err.metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    code = STATUS_CODE[err.kind]
-    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=err.message, details=[detail]))
+    return status_pb2.Status(code=STATUS_CODE[err.kind].value[0], message=err.message, details=[detail])
+
+
+def to_status(err: KVMemError) -> grpc.Status:
+    """The status a unary call (or a stream's end) fails with for ``err``."""
+    return rpc_status.to_status(status_proto(err))
+
+
+def refused_step(err: KVMemError, epoch: str) -> kvmem_pb2.StepResponse:
+    """StepStream's in-band answer to a refused step: the epoch and the status only."""
+    return kvmem_pb2.StepResponse(epoch=epoch, error=status_proto(err))
 
 
 # ------------------------------------------------------------------ geometry
@@ -137,6 +148,29 @@ def deserializer(cls: Any) -> Callable[[bytes], Any]:
     return deserialize
 
 
+def column(field: Any, packed: bytes, name: str) -> np.ndarray:
+    """A Step column, from its repeated field or its int32 LE bytes twin (``name_i32``),
+    as an int64 array. Both given, or bytes that are not whole int32 values: BAD_VALUE
+    naming the field."""
+    if not packed:
+        return array(field)
+    if len(field):
+        raise KVMemError(
+            Reason.BAD_VALUE,
+            f"{name} came both as the repeated field ({len(field)} items) and as {name}_i32 "
+            f"({len(packed)} bytes): send one",
+            field=name,
+        )
+    if len(packed) % 4:
+        raise KVMemError(
+            Reason.BAD_VALUE,
+            f"{name}_i32 holds {len(packed)} bytes: not whole int32 little-endian values",
+            field=f"{name}_i32",
+            size=len(packed),
+        )
+    return np.frombuffer(packed, dtype="<i4").astype(np.int64)
+
+
 def array(field: Any) -> np.ndarray:
     """A packed repeated int field as an int64 array, without a Python loop. Up to 128
     items ``np.fromiter`` (which walks the field in C) costs half of protobuf's numpy
@@ -162,15 +196,16 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 def step_batch(request: kvmem_pb2.StepRequest) -> StepBatch:
     """A StepRequest's columns as a :class:`StepBatch` (lengths and values are the
-    core's to check). The prefix-cache columns are read only when one of them is set."""
-    expected = request.alloc_expected_lens
+    core's to check; each of the first six from its repeated field or its ``_i32``
+    bytes). The prefix-cache columns are read only when one of them is set."""
+    expected = column(request.alloc_expected_lens, request.alloc_expected_lens_i32, "alloc_expected_lens")
     batch = StepBatch(
-        array(request.release_slots),
-        array(request.truncate_slots),
-        array(request.truncate_lens),
-        array(request.alloc_slots),
-        array(request.alloc_needs),
-        array(expected) if len(expected) else None,
+        column(request.release_slots, request.release_slots_i32, "release_slots"),
+        column(request.truncate_slots, request.truncate_slots_i32, "truncate_slots"),
+        column(request.truncate_lens, request.truncate_lens_i32, "truncate_lens"),
+        column(request.alloc_slots, request.alloc_slots_i32, "alloc_slots"),
+        column(request.alloc_needs, request.alloc_needs_i32, "alloc_needs"),
+        expected if expected.size else None,
         request.atomic,
     )
     if (

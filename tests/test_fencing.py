@@ -191,11 +191,13 @@ def test_the_lease_is_known_to_hold_while_the_keepalive_is_answered(fenced_serve
         assert kv.lease_valid_until > first + 1.0 and 0.0 < kv.lease_remaining() <= 0.6
 
 
-def test_a_step_answer_that_arrives_past_the_lease_is_withheld(fenced_server: ServerProcess) -> None:
+@pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
+def test_a_step_answer_that_arrives_past_the_lease_is_withheld(fenced_server: ServerProcess, step_stream: bool) -> None:
     """The server is stopped while a Step is on its way: the answer (or the refusal)
     comes a second later, past the 600 ms lease. The client raises SessionLost and hands
-    over no kv_loc; it closes its keep-alive, so the server ends the session at once."""
-    kv = KVMemClient(fenced_server.target, name="late")
+    over no kv_loc; it closes its keep-alive, so the server ends the session at once.
+    The same over the step stream and over unary calls."""
+    kv = KVMemClient(fenced_server.target, name="late", step_stream=step_stream)
     slots = kv.open(["r"])
     assert kv.alloc(slots, [4]).ok
     outcome: list[object] = []

@@ -77,8 +77,12 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-def test_scrape_agrees_with_the_calls_and_with_stats(metrics_server) -> None:
+@pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
+def test_scrape_agrees_with_the_calls_and_with_stats(metrics_server, step_stream: bool) -> None:
+    """Each step is one call of its method: ``StepStream`` (a message on the stream) or
+    ``Step`` (a unary call)."""
     srv, url = metrics_server
+    step = "StepStream" if step_stream else "Step"
     m = scrape(url)
     assert value(m, "kvmem_pages", state="free") == 64 and value(m, "kvmem_pages", state="used") == 0
     assert value(m, "kvmem_pool_pages") == 64
@@ -86,7 +90,7 @@ def test_scrape_agrees_with_the_calls_and_with_stats(metrics_server) -> None:
     assert value(m, "kvmem_request_slots", state="free") == 8
     assert value(m, "kvmem_pool_config", setting="page_size_tokens") == PAGE
 
-    with KVMemClient(srv.target, name="worker-0", quota_pages=6) as kv:
+    with KVMemClient(srv.target, name="worker-0", quota_pages=6, step_stream=step_stream) as kv:
         slots = kv.open(["a", "b"])
         r = kv.alloc(slots, [10, 5])  # 3 + 2 pages
         assert r.ok
@@ -116,22 +120,22 @@ def test_scrape_agrees_with_the_calls_and_with_stats(metrics_server) -> None:
         assert value(m, "kvmem_alloc_items_total", status="QUOTA_EXCEEDED") == 1
         assert value(m, "kvmem_alloc_items_total", status="OUT_OF_PAGES") == 0
 
-        assert value(m, "kvmem_rpc_calls_total", method="Step", code="OK") == 4
-        assert value(m, "kvmem_rpc_calls_total", method="Step", code="INVALID_ARGUMENT") == 1
-        assert value(m, "kvmem_rpc_errors_total", method="Step", reason="DUPLICATE_SLOT") == 1
+        assert value(m, "kvmem_rpc_calls_total", method=step, code="OK") == 4
+        assert value(m, "kvmem_rpc_calls_total", method=step, code="INVALID_ARGUMENT") == 1
+        assert value(m, "kvmem_rpc_errors_total", method=step, reason="DUPLICATE_SLOT") == 1
         assert value(m, "kvmem_rpc_calls_total", method="Attach", code="OK") == 1
         assert value(m, "kvmem_rpc_calls_total", method="Open", code="OK") == 1
         # Every Step call is timed; the buckets are cumulative and end at +Inf.
-        assert value(m, "kvmem_rpc_handler_seconds_count", method="Step") == 5
-        assert value(m, "kvmem_rpc_handler_seconds_bucket", method="Step", le="+Inf") == 5
+        assert value(m, "kvmem_rpc_handler_seconds_count", method=step) == 5
+        assert value(m, "kvmem_rpc_handler_seconds_bucket", method=step, le="+Inf") == 5
         buckets = sorted(
             (float(dict(labels)["le"]), v)
             for (name, labels), v in m.items()
-            if name == "kvmem_rpc_handler_seconds_bucket" and dict(labels)["method"] == "Step"
+            if name == "kvmem_rpc_handler_seconds_bucket" and dict(labels)["method"] == step
         )
         counts = [v for _, v in buckets]
         assert counts == sorted(counts)
-        assert 0 < value(m, "kvmem_rpc_handler_seconds_sum", method="Step") < 5
+        assert 0 < value(m, "kvmem_rpc_handler_seconds_sum", method=step) < 5
         assert value(m, "process_cpu_seconds_total") > 0
 
     m = scrape(url)  # the client detached on leaving the block, releasing a's 3 pages

@@ -1,3 +1,4 @@
+from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -221,7 +222,7 @@ class OpenResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens", "atomic", "release_token_ids", "release_token_offsets", "cache_slots", "cache_token_ids", "cache_token_offsets", "match_slots", "match_token_ids", "match_token_offsets", "match_max_tokens")
+    __slots__ = ("session_id", "release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens", "atomic", "release_token_ids", "release_token_offsets", "cache_slots", "cache_token_ids", "cache_token_offsets", "match_slots", "match_token_ids", "match_token_offsets", "match_max_tokens", "release_slots_i32", "truncate_slots_i32", "truncate_lens_i32", "alloc_slots_i32", "alloc_needs_i32", "alloc_expected_lens_i32")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +240,12 @@ class StepRequest(_message.Message):
     MATCH_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MATCH_TOKEN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     MATCH_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SLOTS_I32_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_SLOTS_I32_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_LENS_I32_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_SLOTS_I32_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_NEEDS_I32_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_EXPECTED_LENS_I32_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     release_slots: _containers.RepeatedScalarFieldContainer[int]
     truncate_slots: _containers.RepeatedScalarFieldContainer[int]
@@ -256,10 +263,16 @@ class StepRequest(_message.Message):
     match_token_ids: bytes
     match_token_offsets: bytes
     match_max_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ..., release_token_ids: _Optional[bytes] = ..., release_token_offsets: _Optional[bytes] = ..., cache_slots: _Optional[_Iterable[int]] = ..., cache_token_ids: _Optional[bytes] = ..., cache_token_offsets: _Optional[bytes] = ..., match_slots: _Optional[_Iterable[int]] = ..., match_token_ids: _Optional[bytes] = ..., match_token_offsets: _Optional[bytes] = ..., match_max_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    release_slots_i32: bytes
+    truncate_slots_i32: bytes
+    truncate_lens_i32: bytes
+    alloc_slots_i32: bytes
+    alloc_needs_i32: bytes
+    alloc_expected_lens_i32: bytes
+    def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ..., release_token_ids: _Optional[bytes] = ..., release_token_offsets: _Optional[bytes] = ..., cache_slots: _Optional[_Iterable[int]] = ..., cache_token_ids: _Optional[bytes] = ..., cache_token_offsets: _Optional[bytes] = ..., match_slots: _Optional[_Iterable[int]] = ..., match_token_ids: _Optional[bytes] = ..., match_token_offsets: _Optional[bytes] = ..., match_max_tokens: _Optional[_Iterable[int]] = ..., release_slots_i32: _Optional[bytes] = ..., truncate_slots_i32: _Optional[bytes] = ..., truncate_lens_i32: _Optional[bytes] = ..., alloc_slots_i32: _Optional[bytes] = ..., alloc_needs_i32: _Optional[bytes] = ..., alloc_expected_lens_i32: _Optional[bytes] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted")
+    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted", "error")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALLOC_STATUS_FIELD_NUMBER: _ClassVar[int]
     KV_LOC_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +285,7 @@ class StepResponse(_message.Message):
     CACHE_SWITCHED_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     alloc_status: bytes
     kv_loc: bytes
@@ -284,7 +298,8 @@ class StepResponse(_message.Message):
     cache_switched: bytes
     num_pages_cached: int
     num_pages_evicted: int
-    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ...) -> None: ...
+    error: _status_pb2.Status
+    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("audit",)

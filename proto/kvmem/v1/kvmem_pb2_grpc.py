@@ -59,6 +59,11 @@ class KVMemoryStub:
                 request_serializer=kvmem_dot_v1_dot_kvmem__pb2.StepRequest.SerializeToString,
                 response_deserializer=kvmem_dot_v1_dot_kvmem__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/kvmem.v1.KVMemory/StepStream',
+                request_serializer=kvmem_dot_v1_dot_kvmem__pb2.StepRequest.SerializeToString,
+                response_deserializer=kvmem_dot_v1_dot_kvmem__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvmem.v1.KVMemory/Stats',
                 request_serializer=kvmem_dot_v1_dot_kvmem__pb2.StatsRequest.SerializeToString,
@@ -110,6 +115,19 @@ class KVMemoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The same Steps on one long-lived stream (what the kvmem clients use by default: no
+        call set-up per step). Each StepRequest gets its StepResponse, in order; each names
+        its session, like a unary Step. A refused step is answered in-band: its response
+        carries `error` (the status the unary Step would have failed with) and the stream
+        goes on. The stream itself ends with a status only when the server cannot go on
+        with it (a bad token at its start, the end of a shutdown's drain); a client treats
+        that end, or a broken connection, as the failure of the step in flight.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Pool counters, per-session usage and the audit.
         """
@@ -151,6 +169,11 @@ def add_KVMemoryServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=kvmem_dot_v1_dot_kvmem__pb2.StepRequest.FromString,
+                    response_serializer=kvmem_dot_v1_dot_kvmem__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=kvmem_dot_v1_dot_kvmem__pb2.StepRequest.FromString,
                     response_serializer=kvmem_dot_v1_dot_kvmem__pb2.StepResponse.SerializeToString,
             ),
@@ -298,6 +321,33 @@ class KVMemory:
             request,
             target,
             '/kvmem.v1.KVMemory/Step',
+            kvmem_dot_v1_dot_kvmem__pb2.StepRequest.SerializeToString,
+            kvmem_dot_v1_dot_kvmem__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmem.v1.KVMemory/StepStream',
             kvmem_dot_v1_dot_kvmem__pb2.StepRequest.SerializeToString,
             kvmem_dot_v1_dot_kvmem__pb2.StepResponse.FromString,
             options,
