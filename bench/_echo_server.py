@@ -4,13 +4,22 @@
 It is set up the way ``kvmem.server.app`` sets up the kvmem server, minus kvmem:
 grpc.aio on uvloop (one event loop, one thread), the same server options, a unix
 socket born 0600, the standard health service (so readiness is awaited the same way),
-and SIGTERM/SIGINT for a clean stop. It serves one method, ``/kvmem.bench.Echo/Echo``:
-bytes in, bytes out (no (de)serialiser: the handler gets the raw request bytes). The
-first 4 bytes of a request (little-endian uint32) say how long the reply must be; the
-reply is a cached bytes object of that size. The client sends a payload the size of a
-serialised StepRequest and asks for one the size of the StepResponse, so the bytes on
+and SIGTERM/SIGINT for a clean stop. It serves two methods, bytes in and bytes out (no
+(de)serialiser: the handlers get the raw request bytes):
+
+- ``/kvmem.bench.Echo/Echo``, unary: one request, one reply (the baseline of kvmem's
+  unary ``Step``);
+- ``/kvmem.bench.Echo/EchoStream``, a bidirectional stream: one reply per request
+  message, in order, for as long as the client keeps the stream open (the baseline of
+  kvmem's ``StepStream``: a ping-pong of one message each way per call on one
+  long-lived stream). Its handler is an async generator over the request iterator,
+  as kvmem's ``StepStream`` handler is.
+
+The first 4 bytes of a request (little-endian uint32) say how long the reply must be;
+the reply is a cached bytes object of that size. The client sends a payload the size of
+a serialised StepRequest and asks for one the size of the StepResponse, so the bytes on
 the wire match and only kvmem's own work (protobuf, the engine, the client's request
-building and response parsing) separates the two round trips.
+building and response parsing) separates the round trips.
 
 Run: ``python bench/_echo_server.py --socket /tmp/x.sock``.
 """
@@ -19,15 +28,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 SERVICE = "kvmem.bench.Echo"
 METHOD = f"/{SERVICE}/Echo"
+STREAM_METHOD = f"/{SERVICE}/EchoStream"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # as kvmem.server.app
 
 
@@ -41,7 +53,7 @@ def payload(request_bytes: int, reply_bytes: int) -> bytes:
 async def _serve(socket_path: str) -> None:
     replies: dict[bytes, bytes] = {}
 
-    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    def reply_to(request: bytes) -> bytes:
         key = request[:4]
         reply = replies.get(key)
         if reply is None:
@@ -49,6 +61,15 @@ async def _serve(socket_path: str) -> None:
             if len(replies) < 64:
                 replies[key] = reply
         return reply
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return reply_to(request)
+
+    async def echo_stream(
+        request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        async for request in request_iterator:
+            yield reply_to(request)
 
     server = grpc.aio.server(
         options=[
@@ -61,7 +82,10 @@ async def _serve(socket_path: str) -> None:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    handlers = {"Echo": grpc.unary_unary_rpc_method_handler(echo)}  # bytes in, bytes out
+    handlers = {  # bytes in, bytes out
+        "Echo": grpc.unary_unary_rpc_method_handler(echo),
+        "EchoStream": grpc.stream_stream_rpc_method_handler(echo_stream),
+    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)  # as the generated kvmem code does
 
@@ -79,10 +103,8 @@ async def _serve(socket_path: str) -> None:
     await stop.wait()
     await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(2.0)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
-    except FileNotFoundError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh -- every check of kvmem that needs a GPU, in one run that ends
-# within 5 minutes on one H200 (each part is bounded by `timeout`).
+# bench/gpu_check.sh -- every check of kvmem that needs a GPU, and the RPC benchmark on
+# the GPU host's many cores, in one run that ends within 5 minutes on one H200: each part
+# is bounded by `timeout` (its own limit, cut to what is left of a 280 s budget for all
+# of them, measured from the script's start; SIGKILL 5 s after the SIGTERM), so even a
+# run where every part times out ends by about 290 s.
 #
 # How to run: on a machine with an NVIDIA GPU, in a Python environment that already has
 # kvmem installed with its test extras and a CUDA build of torch
@@ -9,24 +12,33 @@
 #     bash bench/gpu_check.sh                              # uses `python` on PATH
 #     PYTHON=/path/to/venv/bin/python bash bench/gpu_check.sh
 #
-# It never installs anything. Logs and the benchmark's JSON go to $GPU_CHECK_OUT
+# It never installs anything. Logs and the benchmarks' JSON go to $GPU_CHECK_OUT
 # (default: $OUT if set, else a new directory under /tmp); everything is printed too.
 #
-# Parts:
+# Parts (limits add up to 275 s; a part that would start with under 15 s left is
+# skipped and reported so):
 #   0. environment: torch, its CUDA, the GPU; stops here (exit 3) without a usable GPU,
-#      since everything after would only skip.                        (timeout 60 s)
+#      since everything after would only skip.                        (timeout 35 s)
 #   1. tests: tests/test_memory_cuda.py (the cuda backend: IPC handles opened in other
 #      processes, device block tables) and tests/test_service_memory.py (real servers
 #      and client processes; with a GPU its --device cuda:0 two-process write/read test
 #      runs too), and tests/test_recovery.py's cuda variant (a restarted server waits
 #      for device memory a client still maps through CUDA IPC). Skip reasons are
-#      printed: with one GPU only the two-GPU tensor-parallel test may skip. (170 s)
+#      printed: with one GPU only the two-GPU tensor-parallel test may skip.
+#                                                                     (timeout 125 s)
 #   2. benchmark: bench/memory_bench.py --gpu-only -- the Step round trip (256 decode
 #      allocs of 1 token, pages of 16) against --device cuda:0 vs --device none,
-#      interleaved; target <= 1.3x (PASS/MISS in the table).           (timeout 100 s)
+#      interleaved; target <= 1.3x (PASS/MISS in the table).  --budget 15 (timeout 55 s)
+#   3. rpc: bench/rpc_bench.py -- the CPU-side RPC benchmark (no GPU in it), run here
+#      for the host's cores: with 16 of them, neither the clients nor the echo server
+#      wait for a core, so the 8-client rows show what one kvmem server process (one
+#      event loop) can take. The streamed and the unary Step against the unary and the
+#      streamed echo, the reference, 8 clients; --budget 10 --blocks 2 (10 windows of
+#      2 s); its rows are printed in the summary.                       (timeout 60 s)
 #
-# Exit status: 0 when the tests pass and the benchmark ran (a MISS is reported, not a
-# failure); 1 when a part failed or timed out; 3 without a GPU.
+# Exit status: 0 when the tests pass and the benchmarks ran (a MISS is reported, not a
+# failure); 1 when a part failed, timed out or was skipped for lack of time; 3 without
+# a GPU.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -36,6 +48,8 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 unset KVMEM_DEBUG  # the tests set what they need; the benchmark's servers run without it
 started=$(date +%s)
+BUDGET_S=280  # all parts together, from the start; SIGKILL grace and the summary come on top
+MIN_PART_S=15  # a part that would get less than this is skipped
 status=0
 results=()
 
@@ -44,8 +58,18 @@ stamp() { echo "[$(( $(date +%s) - started ))s] $*"; }
 run_part() {  # name, timeout seconds, command...
     local name=$1 limit=$2
     shift 2
+    local left=$(( started + BUDGET_S - $(date +%s) ))
+    if [ "$left" -lt "$MIN_PART_S" ]; then
+        results+=("$name: SKIPPED (${left}s left of the ${BUDGET_S}s budget)")
+        status=1
+        stamp "== $name: skipped, ${left}s left of the ${BUDGET_S}s budget"
+        return
+    fi
+    if [ "$left" -lt "$limit" ]; then
+        limit=$left
+    fi
     stamp "== $name (timeout ${limit}s): $*"
-    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+    timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
     local rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
         results+=("$name: TIMED OUT after ${limit}s")
@@ -60,7 +84,7 @@ run_part() {  # name, timeout seconds, command...
 }
 
 stamp "kvmem GPU check in $(pwd), python $PYTHON, logs in $OUT_DIR"
-run_part environment 60 "$PYTHON" - <<'EOF'
+run_part environment 35 "$PYTHON" - <<'EOF'
 import sys
 import torch
 import kvmem.server.memory as memory
@@ -78,16 +102,22 @@ if [ "${results[0]}" != "environment: ok" ]; then
     exit 3
 fi
 
-run_part tests 170 "$PYTHON" -m pytest tests/test_memory_cuda.py tests/test_service_memory.py \
+run_part tests 125 "$PYTHON" -m pytest tests/test_memory_cuda.py tests/test_service_memory.py \
     "tests/test_recovery.py::test_the_cuda_variant_waits_for_device_memory_clients_still_map" \
     -q -rs --timeout 120 -p no:cacheprovider
-run_part benchmark 100 "$PYTHON" bench/memory_bench.py --gpu-only --reps 3000 --budget 30 \
+run_part benchmark 55 "$PYTHON" bench/memory_bench.py --gpu-only --reps 3000 --budget 15 \
     --json "$OUT_DIR/memory_bench.json"
+run_part rpc 60 "$PYTHON" bench/rpc_bench.py --budget 10 --blocks 2 --json "$OUT_DIR/rpc_bench.json"
 
 echo
 stamp "summary:"
 for r in "${results[@]}"; do echo "  $r"; done
-grep -E "passed|failed|error" "$OUT_DIR/tests.log" | tail -n 1 | sed 's/^/  tests: /'
-grep -E "^Step 256 decode allocs, cuda:0" "$OUT_DIR/benchmark.log" | sed 's/^/  benchmark: /'
+grep -E "passed|failed|error" "$OUT_DIR/tests.log" 2>/dev/null | tail -n 1 | sed 's/^/  tests: /'
+grep -E "^Step 256 decode allocs, cuda:0" "$OUT_DIR/benchmark.log" 2>/dev/null | sed 's/^/  benchmark: /'
+# The rpc benchmark's table: the header line, the rule, its rows (up to the blank line).
+if [ -f "$OUT_DIR/rpc.log" ]; then
+    sed -n '/^scenario /,/^$/p' "$OUT_DIR/rpc.log" | sed '/^$/d; s/^/  rpc: /'
+    grep -E "^ +[a-z_]+: median|^  CPU per call:|^  ratio per block|^total " "$OUT_DIR/rpc.log" | sed 's/^/  rpc: /'
+fi
 stamp "done, exit $status"
 exit $status

@@ -1,52 +1,93 @@
 #!/usr/bin/env python3
-"""Benchmark kvmem's Step over gRPC against a bare gRPC echo and the reference allocator.
+"""Benchmark kvmem's Step over gRPC against bare gRPC echoes and the reference allocator.
 
 Scenarios (pages of 16 tokens; decode requests hold 100 + i % 16 tokens, so 1 in 16
 crosses a page boundary and takes a new page each step, as in a real decode batch):
 
-1. step      -- one ``KVMemClient.step`` allocating 1 token to each of 256 open requests
-                of one session, over the unix socket, against a kvmem server started
-                as a subprocess (``python -m kvmem.server.cli serve``, KVMEM_DEBUG
-                unset). Timed: the whole client call (request building, the round
-                trip, the server's work, the response views).
-   baseline  -- a bare gRPC echo through a server set up the same way
-                (``bench/_echo_server.py``: grpc.aio on uvloop, one loop, unix socket,
-                the same server and channel options), bytes in and bytes out: the
-                request the size of the serialised StepRequest, the reply the size of
-                the StepResponse. Target: step <= 1.5x echo.
+1. Round trips over unix sockets, to servers started as subprocesses: kvmem
+   (``python -m kvmem.server.cli serve``, KVMEM_DEBUG unset) and a bare echo
+   (``bench/_echo_server.py``: grpc.aio on uvloop, one loop, the same server and channel
+   options), each contender timed as the whole client call:
+
+   step         -- ``KVMemClient.step`` allocating 1 token to each of 256 open requests
+                   of one session, with the client's default ``step_stream=True``: the
+                   Step goes as one message each way on the session's long-lived
+                   StepStream (timed: the request building, the round trip, the
+                   server's work, the response views).
+   step_unary   -- the same on a second session of 256 requests,
+                   ``KVMemClient(..., step_stream=False)``: the unary Step call. Both
+                   sessions are open at once, so that all four contenders are timed
+                   interleaved; the server runs with ``--max-requests 512`` for it (the
+                   default 256 slots would hold one session). The second session's
+                   slots are 257-512, two-byte varints where 1-127 of the first's take
+                   one: its StepRequest is 127 B longer than the first's, by which the
+                   echoes are sized.
+   echo         -- the unary ``/kvmem.bench.Echo/Echo``: bytes in, bytes out, the request
+                   the size of the serialised StepRequest, the reply the size of the
+                   StepResponse, called the way the client makes a unary call.
+   echo_stream  -- the same bytes as a ping-pong on one long-lived bidirectional stream,
+                   ``/kvmem.bench.Echo/EchoStream``, through gRPC's sync API as the
+                   client's step stream does: ``channel.stream_stream(...)`` fed from a
+                   ``queue.SimpleQueue`` (gRPC's sending thread takes the requests),
+                   one request put, one reply read with ``next()``.
+
+   Targets: step <= 0.9x echo (the headline: the stream has to win back what kvmem
+   costs over a bare call, and more); step_unary <= 1.2x echo. Info rows, no target:
+   step / echo_stream (what kvmem costs on top of a bare stream) and echo_stream / echo
+   (what a stream saves a bare call).
 2. reference -- the reference allocator in-process for the same work: 256
-                ``alloc(req, 1, alloced_len)``. Target: kvmem's step round trip <= 0.25x.
+                ``alloc(req, 1, alloced_len)``. Target: kvmem's step (streamed, the
+                client's default) <= 0.25x.
 3. clients   -- N client processes (default 8; forked from a fresh forkserver, or spawned
-                with ``--start-method spawn``), each with its own session of
-                256 / N requests (the server's 256 request slots are shared by all
-                sessions), stepping 1 token per request for ``--duration`` seconds after a
-                barrier; against the same N processes calling the echo (sized like their
-                own step) for as long. Windows run in blocks of kvmem, echo, echo, kvmem
-                (``--blocks`` of them, default 3), so that drift within a block hits both
-                alike; the ratio is the median over blocks of the block's ratio, so that
-                one block disturbed by a neighbour on a shared machine does not decide it.
-                Target: aggregate steps/s >= 0.7x echo calls/s.
+                with ``--start-method spawn``), each with its own session of 256 / N
+                requests stepping over its step stream (the client's default), 1 token
+                per request, for ``--duration`` seconds after a barrier; against the same
+                N processes calling the unary echo, then the streamed echo (one stream
+                per process), sized like their own step, for as long. Windows run in
+                blocks of kvmem, echo, echo_stream, echo, kvmem (``--blocks`` of them,
+                default 3): a palindrome, so that drift within a block hits the three
+                alike; a block's ratio is the mean rate of its kvmem windows over the
+                mean rate of its echo windows (of its echo_stream window), and the
+                figure is the median over blocks, so that one block disturbed by a
+                neighbour on a shared machine does not decide it. Target: aggregate
+                steps/s >= 0.8x unary echo calls/s. Info: the same against the streamed
+                echo's calls/s.
 
 Scenarios 1 and 2 run interleaved with the garbage collector off: blocks of 32
-back-to-back repetitions of Step and echo (order alternating), each block opened by one
-untimed call of each (so neither pays a server's wake-up after the in-process work) and
-followed by a few repetitions of the reference. Ratios are of medians measured in this
-same run (the machine's cores are shared and noisy: absolute times drift, ratios much
-less). Every ``--truncate-every`` steps (default 32) the kvmem requests are truncated
-back to their starting lengths outside the timed region, so the pool never runs out;
-the reference gives back the page each boundary-crosser took after every repetition,
-untimed. Before timing, the first step's ``kv_loc`` is checked against the reference's
-for the same work on a fresh pool (same page ids). The server processes' CPU time per
-call (from /proc) is reported beside the round trips: on a shared machine it tells
-where the time goes more steadily than wall time does.
+back-to-back repetitions of the four round trips (their order reversed every other
+repetition), each block opened by one untimed call of each (so none pays a server's
+wake-up after the in-process work) and followed by a few repetitions of the reference.
+Ratios are of medians measured in this same run (the machine's cores are shared and
+noisy: absolute times drift, ratios much less). Every ``--truncate-every`` steps
+(default 32) each kvmem session's requests are truncated back to their starting lengths
+outside the timed region, so the pool never runs out; the reference gives back the page
+each boundary-crosser took after every repetition, untimed. Before timing, the first
+step's ``kv_loc`` is checked against the reference's for the same work on a fresh pool
+(same page ids), and the unary session's first step is checked too.
+
+CPU per call, beside the round trips (on a shared machine it tells where the time goes
+more steadily than wall time does): after the timed loop each round-trip contender runs
+alone, back to back, for ``--cpu-window`` seconds (default 0.5); its server's CPU time
+(the process's user + system, /proc, 10 ms ticks) and this process's
+(``time.process_time``: the caller, gRPC's threads, the stream's sending thread and the
+untimed checks) over that window are divided by the calls the server answered (the
+kvmem figures count the untimed truncate calls, 1 per ``--truncate-every`` steps). In
+scenario 3 every window is one contender alone: the server's CPU over the window, and
+the client processes' own process time, per call.
 
 The reference runs on the CPU (its ``pin_memory=True`` is patched out at construction,
 see ``bench/_reference.py``); on a GPU it would also pay a ``.item()`` sync and a
 host-to-device copy per call.
 
+Runtime: about 55 s by default on a 2-core machine (scenarios 1-2 about 17 s for 3,000
+repetitions, the CPU windows 2 s, scenario 3 15 windows of 2 s), less with more cores.
+Shorter: ``--reps``/``--budget`` bound scenarios 1-2, ``--cpu-window`` the CPU windows
+(0 skips them), ``--duration`` and ``--blocks`` scenario 3 (``--duration 0`` skips it);
+``bench/gpu_check.sh`` runs ``--budget 10 --blocks 2``.
+
 Both servers are stopped with SIGTERM when the benchmark ends, fails or is interrupted.
 Exit status: 0 (a measurement, not a test) unless ``--strict`` and a target is missed
-(1), or a correctness check or a server fails (2).
+(1; info rows have no target), or a correctness check or a server fails (2).
 """
 
 from __future__ import annotations
@@ -78,24 +119,37 @@ if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 from _echo_server import METHOD as ECHO_METHOD  # noqa: E402
 from _echo_server import SERVICE as ECHO_SERVICE  # noqa: E402
+from _echo_server import STREAM_METHOD as ECHO_STREAM_METHOD  # noqa: E402
 from _echo_server import payload as echo_payload  # noqa: E402
 from _reference import Reference, default_reference_path, load_reference  # noqa: E402
 from _table import render  # noqa: E402
 
 PAGE_SIZE = 16
-NUM_REQUESTS = 256
-MAX_REQUESTS = 256  # the server's request slots, shared by every session
+NUM_REQUESTS = 256  # per session in scenario 1; shared by the N sessions of scenario 3
+MAX_REQUESTS = 256  # the server's default request slots (memory_bench.py's servers take this)
+RPC_MAX_REQUESTS = 2 * NUM_REQUESTS  # this benchmark's server (--max-requests): scenario 1 holds two sessions
 MAX_CONTEXT_LEN = 4096
-NUM_PAGES = 8192  # 256 requests x at most (115 + truncate_every) tokens fit many times over
+NUM_PAGES = 8192  # 512 requests x at most (115 + truncate_every) tokens fit many times over
 DECODE_BASE_LEN = 100  # request i holds 100 + i % 16 tokens
-CALL_TIMEOUT_S = 10.0  # the client's default per-call deadline, used for the echo too
+CALL_TIMEOUT_S = 10.0  # the client's default per-call deadline, used for the unary echo too
 KVMEM_SERVICE = "kvmem.v1.KVMemory"
 
 TARGETS = {
     # key: (comparison, value, meaning)
-    "step_vs_echo": ("<=", 1.5, "kvmem Step round trip / bare gRPC echo round trip"),
-    "step_vs_reference": ("<=", 0.25, "kvmem Step round trip / reference in-process"),
-    "clients_vs_echo": (">=", 0.7, "kvmem aggregate steps/s / echo aggregate calls/s"),
+    "stream_step_vs_echo": (
+        "<=",
+        0.9,
+        "kvmem Step over the step stream (the client's default) / unary gRPC echo, round trip",
+    ),
+    "unary_step_vs_echo": ("<=", 1.2, "kvmem unary Step (step_stream=False) / unary gRPC echo, round trip"),
+    "step_vs_reference": ("<=", 0.25, "kvmem Step round trip (streamed, the default) / reference in-process"),
+    "clients_vs_echo": (">=", 0.8, "N kvmem clients' aggregate steps/s (streamed) / N unary echo callers' calls/s"),
+}
+INFO = {
+    # key: meaning (rows without a target: both baselines in sight)
+    "stream_step_vs_stream_echo": "kvmem Step over the step stream / streamed echo (ping-pong on one stream)",
+    "stream_echo_vs_echo": "streamed echo / unary echo, round trip",
+    "clients_vs_stream_echo": "N kvmem clients' aggregate steps/s (streamed) / N streamed-echo callers' calls/s",
 }
 
 
@@ -193,7 +247,7 @@ class Servers(ServerProcesses):
             "--socket", self.kv_socket,
             "--num-pages", str(self.num_pages),
             "--page-size", str(PAGE_SIZE),
-            "--max-requests", str(MAX_REQUESTS),
+            "--max-requests", str(RPC_MAX_REQUESTS),
             "--max-context", str(MAX_CONTEXT_LEN),
             "--log-level", "warning",
         ]  # fmt: skip
@@ -230,24 +284,51 @@ class Servers(ServerProcesses):
                 time.sleep(0.05)
 
 
-
 # ------------------------------------------------------------------ client side
 
 
-def echo_callable(target: str) -> tuple[Any, Callable[[bytes], bytes]]:
-    """A channel to the echo server with the kvmem client's channel options, and a
-    unary call on it made the way the kvmem client makes its calls."""
-    import grpc
+class EchoStream:
+    """A ping-pong on one long-lived bidirectional stream through gRPC's sync API, as
+    the kvmem client's step stream: gRPC's sending thread takes the requests from a
+    queue; ``call()`` puts one request and reads its reply with ``next()``. No
+    per-call deadline (a stream has one for its whole life, and this one has none)."""
 
-    from kvmem.client.channel import CHANNEL_OPTIONS
+    def __init__(self, channel: Any) -> None:
+        self._queue: queue_mod.SimpleQueue[bytes | None] = queue_mod.SimpleQueue()
+        rpc = channel.stream_stream(ECHO_STREAM_METHOD, _registered_method=True)  # no (de)serialiser: bytes
+        self._call = rpc(iter(self._queue.get, None), metadata=None)
 
-    channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-    rpc = channel.unary_unary(ECHO_METHOD, _registered_method=True)  # no (de)serialiser: bytes
+    def call(self, data: bytes) -> bytes:
+        self._queue.put(data)
+        return next(self._call)
 
-    def call(data: bytes) -> bytes:
-        return rpc(data, timeout=CALL_TIMEOUT_S, metadata=None)
+    def close(self) -> None:
+        """End the requests (the sending thread returns) and cancel the call; idempotent."""
+        self._queue.put(None)
+        self._call.cancel()
 
-    return channel, call
+
+class EchoClient:
+    """A channel to the echo server with the kvmem client's channel options, a unary
+    call on it made the way the kvmem client makes its unary calls (``call``), and a
+    ping-pong stream on the same channel (``stream.call``)."""
+
+    def __init__(self, target: str) -> None:
+        import grpc
+
+        from kvmem.client.channel import CHANNEL_OPTIONS
+
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._rpc = self.channel.unary_unary(ECHO_METHOD, _registered_method=True)  # no (de)serialiser: bytes
+        self.stream = EchoStream(self.channel)
+
+    def call(self, data: bytes) -> bytes:
+        return self._rpc(data, timeout=CALL_TIMEOUT_S, metadata=None)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stream.close()
+        self.channel.close()
 
 
 def step_sizes(client: Any, res: Any, alloc_slots: Any, alloc_needs: Any) -> tuple[int, int]:
@@ -273,16 +354,18 @@ def step_sizes(client: Any, res: Any, alloc_slots: Any, alloc_needs: Any) -> tup
 
 
 class DecodeSession:
-    """A kvmem session with ``n`` open requests at their decode lengths. ``step()`` is
-    the timed call; ``after()`` (untimed) checks the result and truncates back every
-    ``truncate_every`` steps."""
+    """A kvmem session with ``n`` open requests at their decode lengths, its Steps on
+    the session's step stream (``step_stream=True``, the client's default) or unary
+    calls. ``step()`` is the timed call; ``after()`` (untimed) checks the result and
+    truncates back every ``truncate_every`` steps."""
 
-    def __init__(self, target: str, n: int, truncate_every: int, name: str) -> None:
+    def __init__(self, target: str, n: int, truncate_every: int, name: str, step_stream: bool = True) -> None:
         import torch
 
         from kvmem.client import KVMemClient
 
-        self.client = KVMemClient(target, name=name)
+        self.client = KVMemClient(target, name=name, step_stream=step_stream)
+        self.step_stream = step_stream
         self.n = n
         self.truncate_every = truncate_every
         self.slots = self.client.open([f"{name}-req-{i}" for i in range(n)])  # int32 tensor
@@ -327,12 +410,18 @@ class DecodeSession:
 
 class Contender:
     """``run()`` is timed; ``after(result)`` (untimed) checks it and puts the state
-    back."""
+    back. ``server`` names the server that answers it, ``calls()`` counts the calls
+    that server answered so far (the kvmem sessions' untimed truncates included)."""
 
-    def __init__(self, name: str, run: Callable[[], Any], after: Callable[[Any], None]) -> None:
+    def __init__(
+        self, name: str, run: Callable[[], Any], after: Callable[[Any], None], server: str | None = None,
+        calls: Callable[[], int] | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.run = run
         self.after = after
+        self.server = server
+        self.calls = calls
         self.times_us: list[float] = []
 
     def once(self, clock: Callable[[], int], keep: bool) -> None:
@@ -399,6 +488,36 @@ def measure(
     return kept
 
 
+def cpu_windows(contenders: list[Contender], window_s: float, servers: Servers) -> dict[str, dict[str, Any]]:
+    """Each contender alone, back to back, for ``window_s`` seconds (untimed calls,
+    the garbage collector off): its server's CPU and this process's CPU over the
+    window, per call its server answered."""
+    out: dict[str, dict[str, Any]] = {}
+    clock = time.perf_counter_ns
+    with gc_off():
+        for c in contenders:
+            assert c.server is not None and c.calls is not None
+            for _ in range(3):  # settle: the previous contender's server goes quiet
+                c.once(clock, keep=False)
+            calls0, cpu0, own0 = c.calls(), servers.cpu_s(), time.process_time()
+            t0 = time.monotonic()
+            end = t0 + window_s
+            while time.monotonic() < end:
+                c.once(clock, keep=False)
+            own1, cpu1, calls1 = time.process_time(), servers.cpu_s(), c.calls()
+            calls = calls1 - calls0
+            out[c.name] = {
+                "server": c.server,
+                "calls": calls,
+                "window_s": round(time.monotonic() - t0, 3),
+                "server_cpu_us_per_call": cpu_per_call_us(cpu0, cpu1, c.server, calls),
+                "client_cpu_us_per_call": (own1 - own0) / calls * 1e6 if calls else None,
+            }
+            servers.check_alive()
+            gc.collect()
+    return out
+
+
 def summary(times_us: list[float]) -> dict[str, float]:
     s = sorted(times_us)
     return {
@@ -415,28 +534,31 @@ def summary(times_us: list[float]) -> dict[str, float]:
 
 def scenario_latency(
     servers: Servers, ref: Reference, reps: int, warmup: int, budget_s: float, ref_every: int, truncate_every: int,
-    say: Callable[..., None],
+    cpu_window_s: float, say: Callable[..., None],
 ) -> dict[str, Any]:  # fmt: skip
     import torch
 
-    sess = DecodeSession(f"unix:{servers.kv_socket}", NUM_REQUESTS, truncate_every, "bench")
-    echo_channel = None
+    target = f"unix:{servers.kv_socket}"
+    sess = DecodeSession(target, NUM_REQUESTS, truncate_every, "bench", step_stream=True)
+    usess = None
+    echo = None
     try:
         slots = sess.slots.tolist()
         lens = decode_lens(NUM_REQUESTS).tolist()
+        ref_batch = max(slots) + 1  # the reference's request indices are kvmem's slots
 
         # Check the first step on the fresh pool against the reference, and size the echo.
         res = sess.step()
         check(res.ok and res.kv_loc.numel() == NUM_REQUESTS, "first step: not every alloc OK")
         check(torch.equal(res.kv_loc_offsets, torch.arange(NUM_REQUESTS + 1, dtype=torch.int32)), "first step: offsets")
         check(res.new_pages.numel() == NUM_REQUESTS // PAGE_SIZE, "first step: wrong number of new pages")
-        checked = "first step: all OK, offsets, one new page per 16 requests"
+        checked = "first step (streamed): all OK, offsets, one new page per 16 requests"
         if ref.available:
-            ra = ref.allocator(num_pages=servers.num_pages, page_size=PAGE_SIZE, max_batch_size=MAX_REQUESTS + 1,
+            ra = ref.allocator(num_pages=servers.num_pages, page_size=PAGE_SIZE, max_batch_size=ref_batch,
                                max_context_len=MAX_CONTEXT_LEN)  # fmt: skip
-            for r, n in zip(slots, lens):
+            for r, n in zip(slots, lens, strict=True):
                 check(ra.alloc(r, n, 0) is not None, "reference setup alloc failed")
-            ref_kv = torch.cat([ra.alloc(r, 1, n) for r, n in zip(slots, lens)])
+            ref_kv = torch.cat([ra.alloc(r, 1, n) for r, n in zip(slots, lens, strict=True)])
             check(
                 torch.equal(ref_kv.to(torch.int32), res.kv_loc), "first step: kvmem kv_loc differs from the reference's"
             )
@@ -445,32 +567,49 @@ def scenario_latency(
         sess.after(res)
         memory_backend = sess.client.stats().memory_backend
 
-        echo_channel, echo = echo_callable(f"unix:{servers.echo_socket}")
+        # The unary session, opened once the streamed one's first step was checked.
+        usess = DecodeSession(target, NUM_REQUESTS, truncate_every, "bench-unary", step_stream=False)
+        ures = usess.step()
+        check(ures.ok and ures.kv_loc.numel() == NUM_REQUESTS, "unary session, first step: not every alloc OK")
+        check(ures.new_pages.numel() == NUM_REQUESTS // PAGE_SIZE, "unary session, first step: wrong new pages")
+        checked += "; first step (unary session): all OK, one new page per 16 requests"
+        ureq_bytes, uresp_bytes = step_sizes(usess.client, ures, usess.slots, usess.ones)
+        usess.after(ures)
+
+        echo = EchoClient(f"unix:{servers.echo_socket}")
         data = echo_payload(req_bytes, resp_bytes)
-        check(len(echo(data)) == resp_bytes, "echo: wrong reply size")
+        check(len(echo.call(data)) == resp_bytes, "echo: wrong reply size")
+        check(len(echo.stream.call(data)) == resp_bytes, "echo stream: wrong reply size")
 
-        echo_calls_made = [0]
+        echo_calls = {"echo": 0, "echo_stream": 0}
 
-        def echo_after(out: bytes) -> None:
-            check(len(out) == resp_bytes, "echo: wrong reply size")
-            echo_calls_made[0] += 1
+        def echo_after(name: str) -> Callable[[bytes], None]:
+            def after(out: bytes) -> None:
+                check(len(out) == resp_bytes, f"{name}: wrong reply size")
+                echo_calls[name] += 1
 
+            return after
+
+        unary_echo, stream_echo = echo.call, echo.stream.call
         contenders = [
-            Contender("step", sess.step, sess.after),
-            Contender("echo", lambda: echo(data), echo_after),
-        ]
+            Contender("step", sess.step, sess.after, "kvmem", lambda: sess.num_calls),
+            Contender("step_unary", usess.step, usess.after, "kvmem", lambda: usess.num_calls),
+            Contender("echo", lambda: unary_echo(data), echo_after("echo"), "echo", lambda: echo_calls["echo"]),
+            Contender("echo_stream", lambda: stream_echo(data), echo_after("echo_stream"), "echo",
+                      lambda: echo_calls["echo_stream"]),
+        ]  # fmt: skip
         local: list[Contender] = []
         if ref.available:
-            ra = ref.allocator(num_pages=servers.num_pages, page_size=PAGE_SIZE, max_batch_size=MAX_REQUESTS + 1,
+            ra = ref.allocator(num_pages=servers.num_pages, page_size=PAGE_SIZE, max_batch_size=ref_batch,
                                max_context_len=MAX_CONTEXT_LEN)  # fmt: skip
-            for r, n in zip(slots, lens):
+            for r, n in zip(slots, lens, strict=True):
                 check(ra.alloc(r, n, 0) is not None, "reference setup alloc failed")
             free_before = len(ra.free_slots)
-            crossers = [(r, n) for r, n in zip(slots, lens) if n % PAGE_SIZE == 0]
+            crossers = [(r, n) for r, n in zip(slots, lens, strict=True) if n % PAGE_SIZE == 0]
 
             def ref_run() -> Any:
                 alloc = ra.alloc
-                return [alloc(r, 1, n) for r, n in zip(slots, lens)]
+                return [alloc(r, 1, n) for r, n in zip(slots, lens, strict=True)]
 
             def ref_after(out: Any) -> None:
                 check(len(out) == NUM_REQUESTS and all(t is not None for t in out), "reference: an alloc failed")
@@ -481,50 +620,56 @@ def scenario_latency(
             local.append(Contender("reference", ref_run, ref_after))
         say(f"  timing up to {reps} reps (+{warmup} warm-up, budget {budget_s:g} s) of: "
             f"{', '.join(c.name for c in contenders + local)}")  # fmt: skip
-        calls0 = sess.num_calls
-        echo0 = echo_calls_made[0]
-        cpu0 = servers.cpu_s()
         kept = measure(contenders, local, reps, ref_every, warmup, budget_s, servers)
-        cpu1 = servers.cpu_s()
-        step_calls = sess.num_calls - calls0
-        echo_calls = echo_calls_made[0] - echo0
         if ref.available:
             check(len(ra.free_slots) == free_before, "reference leaked pages while timing")
+        cpu: dict[str, dict[str, Any]] = {}
+        if cpu_window_s > 0:
+            say(f"  CPU per call: each round trip alone for {cpu_window_s:g} s")
+            cpu = cpu_windows(contenders, cpu_window_s, servers)
         return {
             "reps": kept,
             "memory_backend": memory_backend,
-            "server_cpu_us_per_call": {
-                "kvmem_step": cpu_per_call_us(cpu0, cpu1, "kvmem", step_calls),
-                "echo": cpu_per_call_us(cpu0, cpu1, "echo", echo_calls),
-                "note": "server process CPU (user+system, /proc) over the timed loop / calls; the kvmem "
-                f"figure counts the untimed truncate Steps too (1 per {truncate_every})",
-            },
+            "cpu_per_call": cpu,
+            "cpu_note": "each round trip alone for cpu_window_s after the timed loop: its server's CPU "
+            "(user+system, /proc) and this process's (time.process_time: the caller, gRPC's threads, the "
+            "untimed checks) over the window / the calls its server answered; the kvmem figures count the "
+            f"untimed truncate calls too (1 per {truncate_every} steps)",
+            "cpu_window_s": cpu_window_s,
             "times": {c.name: summary(c.times_us) for c in contenders + local},
             "request_bytes": req_bytes,
             "response_bytes": resp_bytes,
+            "unary_request_bytes": ureq_bytes,
+            "unary_response_bytes": uresp_bytes,
             "checked": checked,
         }
     finally:
-        if echo_channel is not None:
-            echo_channel.close()
-        sess.close()  # frees the 256 request slots for scenario 3
+        if echo is not None:
+            echo.close()
+        if usess is not None:
+            usess.close()
+        sess.close()  # frees the request slots for scenario 3
 
 
 # ----------------------------------------------------------------------- scenario 3
 
-WINDOWS = ("kvmem", "echo", "echo", "kvmem")  # one block of throughput windows
+# One block of throughput windows: a palindrome, so that a drift within the block hits
+# the three alike; the target's ratio (kvmem / echo) has two windows of each per block.
+WINDOWS = ("kvmem", "echo", "echo_stream", "echo", "kvmem")
+PHASE_SERVER = {"kvmem": "kvmem", "echo": "echo", "echo_stream": "echo"}  # who answers each window
 
 
 def _worker(
     idx: int, kv_target: str, echo_target: str, n: int, duration: float, truncate_every: int,
     phases: tuple[str, ...], go: Any, barrier: Any, results: Any,
 ) -> None:  # fmt: skip
-    """One client process: its own session of ``n`` requests and its own echo channel.
-    It imports what it needs, reports, and waits for ``go`` (the parent times scenarios
-    1-2 meanwhile, with the request slots all taken). Then per phase: wait on the
-    barrier, call for ``duration`` seconds, report the count."""
+    """One client process: its own session of ``n`` requests (Steps on its step stream,
+    the client's default) and its own echo channel (unary calls, and one ping-pong
+    stream). It imports what it needs, reports, and waits for ``go`` (the parent times
+    scenarios 1-2 meanwhile, with the request slots all taken). Then per phase: wait on
+    the barrier, call for ``duration`` seconds, report the count."""
     sess = None
-    echo_channel = None
+    echo = None
     try:
         import torch  # noqa: F401 - the slow imports, done before the parent starts timing
 
@@ -533,15 +678,16 @@ def _worker(
         results.put(("imported", idx))
         if not go.wait(timeout=600):
             return
-        sess = DecodeSession(kv_target, n, truncate_every, f"w{idx}")
+        sess = DecodeSession(kv_target, n, truncate_every, f"w{idx}", step_stream=True)
         res = sess.step_folding_truncate()
         check(res.ok, f"worker {idx}: first step failed")
         req_bytes, resp_bytes = step_sizes(sess.client, res, sess.slots, sess.ones)
-        echo_channel, echo = echo_callable(echo_target)
+        echo = EchoClient(echo_target)
         data = echo_payload(req_bytes, resp_bytes)
-        for _ in range(30):  # warm both channels up
+        for _ in range(30):  # warm the channels and streams up
             check(sess.step_folding_truncate().ok, f"worker {idx}: warm-up step failed")
-            echo(data)
+            check(len(echo.call(data)) == resp_bytes, f"worker {idx}: echo: wrong reply size")
+            check(len(echo.stream.call(data)) == resp_bytes, f"worker {idx}: echo stream: wrong reply size")
         results.put(("ready", idx, {"request_bytes": req_bytes, "response_bytes": resp_bytes}))
         clock = time.perf_counter
         gc.disable()
@@ -559,21 +705,22 @@ def _worker(
                         raise BenchFailed(f"worker {idx}: step failed: {res.status.tolist()}")
                     count += 1
             else:
+                call = echo.call if phase == "echo" else echo.stream.call
                 while clock() < end:
-                    echo(data)
+                    call(data)
                     count += 1
             elapsed = clock() - t0
             results.put(("phase", idx, phase, count, elapsed, time.process_time() - c0))
             gc.collect()
         barrier.wait(timeout=120)
-    except BaseException:  # noqa: BLE001 - reported to the parent, which aborts
+    except BaseException:  # reported to the parent, which aborts
         with contextlib.suppress(Exception):
             barrier.abort()
         results.put(("error", idx, traceback.format_exc()))
     finally:
-        if echo_channel is not None:
+        if echo is not None:
             with contextlib.suppress(Exception):
-                echo_channel.close()
+                echo.close()
         if sess is not None:
             with contextlib.suppress(Exception):
                 sess.close()
@@ -601,15 +748,9 @@ class Workers:
         self.go = ctx.Event()
         self.barrier = ctx.Barrier(clients + 1)
         self.results = ctx.Queue()
-        self.procs = [
-            ctx.Process(
-                target=_worker,
-                args=(i, f"unix:{servers.kv_socket}", f"unix:{servers.echo_socket}", self.n, duration,
-                      truncate_every, self.phases, self.go, self.barrier, self.results),
-                daemon=True,
-            )  # fmt: skip
-            for i in range(clients)
-        ]
+        targets = (f"unix:{servers.kv_socket}", f"unix:{servers.echo_socket}")
+        shared = (self.n, duration, truncate_every, self.phases, self.go, self.barrier, self.results)
+        self.procs = [ctx.Process(target=_worker, args=(i, *targets, *shared), daemon=True) for i in range(clients)]
         for p in self.procs:
             p.start()
 
@@ -654,7 +795,6 @@ def scenario_clients(workers: Workers, say: Callable[..., None]) -> dict[str, An
         msg = workers.get(180)
         check(msg[0] == "ready", f"unexpected message from a client process: {msg[:2]}")
         sizes[msg[1]] = msg[2]
-    server_name = {"kvmem": "kvmem", "echo": "echo"}
     for phase in workers.phases:
         workers.barrier.wait(timeout=60)
         cpu0 = workers.servers.cpu_s()
@@ -665,40 +805,46 @@ def scenario_clients(workers: Workers, say: Callable[..., None]) -> dict[str, An
         calls = sum(m[3] for m in got)
         per_phase.append({
             "phase": phase, "per_s": rate, "calls": calls,
-            "server_cpu_us_per_call": cpu_per_call_us(cpu0, cpu1, server_name[phase], calls),
+            "server_cpu_us_per_call": cpu_per_call_us(cpu0, cpu1, PHASE_SERVER[phase], calls),
             "client_cpu_us_per_call": sum(m[5] for m in got) / calls * 1e6 if calls else None,
         })  # fmt: skip
-        say(f"    {phase:>5}: {rate:,.0f}/s")
+        say(f"    {phase:>11}: {rate:,.0f}/s")
     workers.barrier.wait(timeout=60)
     for p in workers.procs:
         p.join(timeout=30)
+
     def mean_of(name: str, key: str) -> float | None:
         vals = [ph[key] for ph in per_phase if ph["phase"] == name and ph[key] is not None]
         return statistics.mean(vals) if vals else None
 
-    rates = {name: mean_of(name, "per_s") for name in ("kvmem", "echo")}
-    # Per block: mean kvmem rate / mean echo rate of its four windows (seconds apart);
+    names = tuple(PHASE_SERVER)
+    rates = {name: mean_of(name, "per_s") for name in names}
+    # Per block: mean kvmem rate / mean baseline rate of its windows (seconds apart);
     # the median over blocks is the figure of record.
     size = len(WINDOWS)
-    block_ratios = []
+    block_ratios: dict[str, list[float]] = {"echo": [], "echo_stream": []}
     for b in range(0, len(per_phase), size):
         block = per_phase[b : b + size]
         kv = statistics.mean(w["per_s"] for w in block if w["phase"] == "kvmem")
-        echo = statistics.mean(w["per_s"] for w in block if w["phase"] == "echo")
-        block_ratios.append(kv / echo)
+        for base, ratios in block_ratios.items():
+            ratios.append(kv / statistics.mean(w["per_s"] for w in block if w["phase"] == base))
     return {
         "clients": clients,
         "start_method": workers.start_method,
         "requests_per_client": n,
+        "kvmem_step_stream": True,
         "duration_s_per_window": duration,
         "windows": per_phase,
-        "block_ratios": block_ratios,
-        "ratio": statistics.median(block_ratios),
+        "block_ratios": block_ratios["echo"],
+        "ratio": statistics.median(block_ratios["echo"]),
+        "block_ratios_vs_echo_stream": block_ratios["echo_stream"],
+        "ratio_vs_echo_stream": statistics.median(block_ratios["echo_stream"]),
         "kvmem_steps_per_s": rates["kvmem"],
-        "kvmem_allocs_per_s": rates["kvmem"] * n,
+        "kvmem_allocs_per_s": rates["kvmem"] * n if rates["kvmem"] is not None else None,
         "echo_calls_per_s": rates["echo"],
-        "server_cpu_us_per_call": {name: mean_of(name, "server_cpu_us_per_call") for name in ("kvmem", "echo")},
-        "client_cpu_us_per_call": {name: mean_of(name, "client_cpu_us_per_call") for name in ("kvmem", "echo")},
+        "echo_stream_calls_per_s": rates["echo_stream"],
+        "server_cpu_us_per_call": {name: mean_of(name, "server_cpu_us_per_call") for name in names},
+        "client_cpu_us_per_call": {name: mean_of(name, "client_cpu_us_per_call") for name in names},
         "request_bytes": sizes[0]["request_bytes"],
         "response_bytes": sizes[0]["response_bytes"],
     }
@@ -708,6 +854,8 @@ def scenario_clients(workers: Workers, say: Callable[..., None]) -> dict[str, An
 
 
 def verdict(key: str, ratio: float | None) -> str:
+    if key in INFO:
+        return "info"
     if ratio is None:
         return "SKIP"
     op, target, _ = TARGETS[key]
@@ -726,9 +874,10 @@ def machine_info() -> dict[str, Any]:
     except AttributeError:
         usable = None
     try:
-        commit = subprocess.run(
+        head = subprocess.run(
             ["git", "-C", str(BENCH_DIR.parent), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip() or None
+        )
+        commit = head.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
@@ -748,35 +897,57 @@ def machine_info() -> dict[str, Any]:
 
 
 def build_rows(lat: dict[str, Any], thr: dict[str, Any] | None, ref: Reference) -> list[dict[str, Any]]:
+    """One row per figure: the targets, and info rows (no target) that put both
+    baselines, the unary and the streamed echo, in sight."""
     t = lat["times"]
-    step, echo = t["step"], t["echo"]
+    step, step_unary, echo, echo_stream = t["step"], t["step_unary"], t["echo"], t["echo_stream"]
     rows: list[dict[str, Any]] = []
 
     def row(key: str, title: str, value: Any, baseline_name: str, baseline: Any, ratio: float | None,
             unit: str, note: str | None = None, **extra: Any) -> None:  # fmt: skip
-        op, target, meaning = TARGETS[key]
+        target: dict[str, Any] | None = None
+        if key in INFO:
+            meaning = INFO[key]
+        else:
+            op, limit, meaning = TARGETS[key]
+            target = {"op": op, "value": limit, "ratio_is": meaning}
         rows.append({
             "scenario": key, "title": title, "unit": unit, "value": value, "baseline": baseline_name,
-            "baseline_value": baseline, "ratio": ratio, "target": {"op": op, "value": target, "ratio_is": meaning},
+            "baseline_value": baseline, "ratio": ratio, "ratio_is": meaning, "target": target,
             "result": verdict(key, ratio), "note": note, **extra,
         })  # fmt: skip
 
-    row("step_vs_echo", f"Step, {NUM_REQUESTS} decode allocs, vs gRPC echo", step, "bare gRPC echo", echo,
-        step["median"] / echo["median"], "µs round trip", ratio_of_min=step["min"] / echo["min"])  # fmt: skip
+    def rt(key: str, title: str, a: dict[str, float], a_name: str, b: dict[str, float], b_name: str) -> None:
+        row(key, title, a, b_name, b, a["median"] / b["median"], "µs round trip", contender=a_name,
+            ratio_of_min=a["min"] / b["min"])  # fmt: skip
+
+    rt("stream_step_vs_echo", f"Step over stream, {NUM_REQUESTS} decode allocs, vs unary echo", step, "step",
+       echo, "unary gRPC echo")  # fmt: skip
+    rt("unary_step_vs_echo", f"Step over unary call, {NUM_REQUESTS} decode allocs, vs unary echo", step_unary,
+       "step_unary", echo, "unary gRPC echo")  # fmt: skip
+    rt("stream_step_vs_stream_echo", "  Step over stream vs streamed echo", step, "step", echo_stream,
+       "streamed gRPC echo (ping-pong on one stream)")  # fmt: skip
+    rt("stream_echo_vs_echo", "  streamed echo vs unary echo", echo_stream, "echo_stream", echo, "unary gRPC echo")
+    ref_title = f"Step vs reference, {NUM_REQUESTS} alloc() in-process"
     if "reference" in t:
         rf = t["reference"]
-        row("step_vs_reference", f"Step vs reference, {NUM_REQUESTS} alloc() in-process", step, "reference allocator",
-            rf, step["median"] / rf["median"], "µs", ratio_of_min=step["min"] / rf["min"])  # fmt: skip
+        row("step_vs_reference", ref_title, step, "reference allocator", rf, step["median"] / rf["median"], "µs",
+            contender="step", ratio_of_min=step["min"] / rf["min"])  # fmt: skip
     else:
-        row("step_vs_reference", f"Step vs reference, {NUM_REQUESTS} alloc() in-process", step, "reference allocator",
-            None, None, "µs", note=f"skipped: {ref.note}")  # fmt: skip
+        row("step_vs_reference", ref_title, step, "reference allocator", None, None, "µs",
+            note=f"skipped: {ref.note}", contender="step")  # fmt: skip
     if thr is not None:
-        row("clients_vs_echo", f"{thr['clients']} clients x {thr['requests_per_client']} req, aggregate",
-            thr["kvmem_steps_per_s"], "echo calls/s, same processes", thr["echo_calls_per_s"],
-            thr["ratio"], "per s")  # fmt: skip
+        title = f"{thr['clients']} clients x {thr['requests_per_client']} req (streamed), aggregate"
+        row("clients_vs_echo", f"{title}, vs unary echo", thr["kvmem_steps_per_s"],
+            "unary echo calls/s, same processes", thr["echo_calls_per_s"], thr["ratio"], "per s",
+            block_ratios=thr["block_ratios"])  # fmt: skip
+        row("clients_vs_stream_echo", "  same clients vs streamed-echo callers", thr["kvmem_steps_per_s"],
+            "streamed echo calls/s, same processes", thr["echo_stream_calls_per_s"], thr["ratio_vs_echo_stream"],
+            "per s", block_ratios=thr["block_ratios_vs_echo_stream"])  # fmt: skip
     else:
-        row("clients_vs_echo", "N clients, aggregate", None, "echo calls/s", None, None, "per s",
-            note="skipped: --duration 0")  # fmt: skip
+        for key, title in (("clients_vs_echo", "N clients, aggregate, vs unary echo"),
+                           ("clients_vs_stream_echo", "  same clients vs streamed-echo callers")):  # fmt: skip
+            row(key, title, None, "echo calls/s", None, None, "per s", note="skipped: --duration 0")
     return rows
 
 
@@ -791,8 +962,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             v = f"{r['value']['median']:,.1f} µs"
             b = "n/a" if r["baseline_value"] is None else f"{r['baseline_value']['median']:,.1f} µs"
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        op = "≥" if r["target"]["op"] == ">=" else "≤"
-        lines.append((r["title"], v, b, ratio, f"{op} {r['target']['value']:g}x", r["result"]))
+        if r["target"] is None:
+            target = "-"
+        else:
+            target = f"{'≥' if r['target']['op'] == '>=' else '≤'} {r['target']['value']:g}x"
+        lines.append((r["title"], v, b, ratio, target, r["result"]))
     return render(header, lines)
 
 
@@ -804,21 +978,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rpc_bench.py",
         description=(
-            "Time kvmem's Step (256 decode allocs, one session) over the unix socket against a bare "
-            "gRPC echo of the same sizes through a server set up the same way, and against the "
-            "reference allocator's 256 alloc() calls in-process; then N client processes stepping "
-            "against N processes calling the echo. Starts and stops both servers itself. Ratios "
-            "compare figures measured in this same run (medians, interleaved)."
+            "Time kvmem's Step (256 decode allocs, one session) over the unix socket, on the client's "
+            "step stream (the default) and as a unary call, against a bare gRPC echo of the same sizes "
+            "through a server set up the same way, unary and streamed (a ping-pong on one stream), and "
+            "against the reference allocator's 256 alloc() calls in-process; then N client processes "
+            "stepping (streamed) against the same processes calling the unary and the streamed echo. "
+            "Starts and stops both servers itself. Ratios compare figures measured in this same run "
+            "(medians, interleaved)."
         ),
         epilog=(
-            "Targets: Step <= 1.5x the echo round trip; Step <= 0.25x the reference's in-process "
-            "time; N clients' aggregate steps/s >= 0.7x the echo's calls/s. Exit status 0 even on "
-            "MISS (a measurement, not a test) unless --strict; 2 if a check, a server or a client "
-            "process fails."
+            "Targets: the streamed Step <= 0.9x the unary echo round trip; the unary Step <= 1.2x the "
+            "unary echo; the streamed Step <= 0.25x the reference's in-process time; N clients' aggregate "
+            "steps/s >= 0.8x the unary echo's calls/s. Info rows (no target): the streamed Step vs the "
+            "streamed echo, the streamed echo vs the unary echo, N clients vs N streamed-echo callers. "
+            "Exit status 0 even on MISS (a measurement, not a test) unless --strict; 2 if a check, a "
+            "server or a client process fails."
         ),
     )
     parser.add_argument("--reps", type=int, default=3000, metavar="N",
-                        help="timed repetitions of scenarios 1-2, each contender, after the warm-up "
+                        help="timed repetitions of scenarios 1-2 (each of the four round trips; the reference "
+                        "1 per --ref-every), after the warm-up "
                         "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=50, metavar="N",
                         help="untimed repetitions first (default: %(default)s)")  # fmt: skip
@@ -828,16 +1007,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ref-every", type=int, default=2, metavar="K",
                         help="time the reference 1 time per K round-trip repetitions (it is the slowest "
                         "contender) (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--cpu-window", type=float, default=0.5, metavar="S",
+                        help="after the timed loop, each round trip alone for S seconds to measure CPU per call "
+                        "(server and this process); 0 skips it (default: %(default)s)")  # fmt: skip
     parser.add_argument("--duration", type=float, default=2.0, metavar="S",
                         help="seconds per throughput window; 0 skips the throughput scenario "
                         "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--blocks", type=int, default=3, metavar="K",
-                        help="blocks of 4 throughput windows (kvmem, echo, echo, kvmem); the ratio is the "
+                        help=f"blocks of {len(WINDOWS)} throughput windows ({', '.join(WINDOWS)}); a ratio is the "
                         "median over blocks of each block's ratio (default: %(default)s)")  # fmt: skip
     parser.add_argument("--clients", type=int, default=8, metavar="N",
                         help=f"client processes in the throughput scenario; each session opens {NUM_REQUESTS}/N "
-                        f"requests, since the server's {MAX_REQUESTS} request slots are shared "
-                        "(default: %(default)s)")  # fmt: skip
+                        "requests (default: %(default)s)")  # fmt: skip
     parser.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
                         help="how the client processes start: 'forkserver' forks them from one fresh interpreter "
                         "that imported torch and the client once (no gRPC channel exists there before the fork); "
@@ -858,8 +1039,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.reps < 1 or args.warmup < 0 or args.duration < 0 or args.truncate_every < 1 or args.ref_every < 1
             or args.blocks < 1):  # fmt: skip
         parser.error("--reps, --ref-every, --truncate-every and --blocks must be >= 1, --warmup and --duration >= 0")
-    if args.budget <= 0:
-        parser.error("--budget must be > 0")
+    if args.budget <= 0 or args.cpu_window < 0:
+        parser.error("--budget must be > 0, --cpu-window >= 0")
     if not 1 <= args.clients <= NUM_REQUESTS:
         parser.error(f"--clients must be in [1, {NUM_REQUESTS}]")
     to_stdout = args.json == "-"
@@ -867,7 +1048,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
 
     def say(*a: Any) -> None:
-        print(f"[{time.monotonic() - t_start:5.1f}s]", *a, file=sys.stderr, flush=True)
+        # Never raises: a closed stderr (``... 2>&1 | head``) must not skip stopping the servers.
+        with contextlib.suppress(OSError, ValueError):
+            print(f"[{time.monotonic() - t_start:5.1f}s]", *a, file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGTERM, _raise_interrupt)  # so the servers are stopped on SIGTERM too
     ref = load_reference(args.reference)
@@ -890,12 +1073,12 @@ def main(argv: list[str] | None = None) -> int:
         servers.start()
         if workers is not None:
             workers.wait_imported()  # nothing of theirs runs while scenarios 1-2 are timed
-        say("scenarios 1-2: Step vs echo vs reference, interleaved")
+        say("scenarios 1-2: Step (streamed, unary) vs echo (unary, streamed) vs reference, interleaved")
         lat = scenario_latency(servers, ref, args.reps, args.warmup, args.budget, args.ref_every,
-                               args.truncate_every, say)  # fmt: skip
+                               args.truncate_every, args.cpu_window, say)  # fmt: skip
         if workers is not None:
-            say(f"scenario 3: {args.clients} clients vs {args.clients} echo callers, {args.blocks} blocks of 4 "
-                f"windows of {args.duration:g} s")  # fmt: skip
+            say(f"scenario 3: {args.clients} clients vs {args.clients} echo callers (unary, streamed), "
+                f"{args.blocks} blocks of {len(WINDOWS)} windows of {args.duration:g} s")  # fmt: skip
             thr = scenario_clients(workers, say)
         servers.check_alive()
     except BenchFailed as exc:
@@ -920,13 +1103,24 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "kvmem rpc_bench",
         "statistic": "latency rows: medians (µs) of interleaved repetitions, ratio = median / median "
-        "(ratio_of_min uses minima); throughput row: rates are means over windows of the summed per-process "
-        "rates, the ratio the median over blocks (kvmem, echo, echo, kvmem) of the block's mean ratio",
+        "(ratio_of_min uses minima); throughput rows: rates are means over windows of the summed per-process "
+        f"rates, the ratio the median over blocks ({', '.join(WINDOWS)}) of the block's ratio of mean rates",
         "config": {
             "page_size": PAGE_SIZE,
             "num_requests": NUM_REQUESTS,
-            "server": {"num_pages": NUM_PAGES, "max_requests": MAX_REQUESTS, "max_context_len": MAX_CONTEXT_LEN,
-                       "kvmem_debug": False, "memory_backend": lat["memory_backend"]},  # fmt: skip
+            "server": {
+                "num_pages": NUM_PAGES,
+                "max_requests": RPC_MAX_REQUESTS,
+                "max_context_len": MAX_CONTEXT_LEN,
+                "kvmem_debug": False,
+                "memory_backend": lat["memory_backend"],
+            },
+            "contenders": {
+                "step": "KVMemClient(step_stream=True), the default: Steps on one long-lived StepStream",
+                "step_unary": "KVMemClient(step_stream=False): the unary Step call, a second session",
+                "echo": f"unary {ECHO_METHOD}, bytes sized as the step's",
+                "echo_stream": f"{ECHO_STREAM_METHOD}: one message each way per call on one long-lived stream",
+            },
             "decode_lens": f"{DECODE_BASE_LEN} + i % {PAGE_SIZE} (1 in {PAGE_SIZE} takes a new page per step)",
             "reps_asked": args.reps,
             "reps_run": lat["reps"],
@@ -934,8 +1128,11 @@ def main(argv: list[str] | None = None) -> int:
             "budget_s": args.budget,
             "warmup": args.warmup,
             "truncate_every": args.truncate_every,
+            "cpu_window_s": args.cpu_window,
             "step_request_bytes": lat["request_bytes"],
             "step_response_bytes": lat["response_bytes"],
+            "unary_step_request_bytes": lat["unary_request_bytes"],
+            "unary_step_response_bytes": lat["unary_response_bytes"],
         },
         "reference": {
             "path": str(ref.path),
@@ -943,11 +1140,12 @@ def main(argv: list[str] | None = None) -> int:
             "note": ref.note if not ref.available else "CPU, pin_memory patched out at construction",
         },
         "checked": lat["checked"],
+        "cpu_per_call": {"round_trips": lat["cpu_per_call"], "note": lat["cpu_note"]},
         "throughput": thr,
         "machine": info,
         "elapsed_s": round(elapsed, 1),
         "scenarios": rows,
-        "all_pass": all(r["result"] != "MISS" for r in rows),
+        "all_pass": all(r["result"] != "MISS" for r in rows),  # info rows have no target
     }
 
     if to_stdout:
@@ -965,40 +1163,49 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows))
         print()
         print(
-            f"Step request {lat['request_bytes']} B, response {lat['response_bytes']} B; "
-            "the echo sends and returns as many."
+            f"Step request {lat['request_bytes']} B, response {lat['response_bytes']} B (the unary session's "
+            f"{lat['unary_request_bytes']} B / {lat['unary_response_bytes']} B); both echoes send and return "
+            f"{lat['request_bytes']} B / {lat['response_bytes']} B."
         )
+        cpu = lat["cpu_per_call"]
         for name, s in t.items():
-            print(
-                f"  {name:>9}: median {s['median']:8.1f} µs   min {s['min']:8.1f}   "
+            line = (
+                f"  {name:>11}: median {s['median']:8.1f} µs   min {s['min']:8.1f}   "
                 f"p10 {s['p10']:8.1f}   p90 {s['p90']:8.1f}"
             )
-        sc = lat["server_cpu_us_per_call"]
-        if sc["kvmem_step"] is not None and sc["echo"] is not None:
-            print(
-                f"server CPU per call: Step {sc['kvmem_step']:.0f} µs, echo {sc['echo']:.0f} µs "
-                "(/proc, whole timed loop)"
-            )
+            c = cpu.get(name)
+            if c is not None and None not in (c["server_cpu_us_per_call"], c["client_cpu_us_per_call"]):
+                line += (
+                    f"   CPU per call: {c['server']} server {c['server_cpu_us_per_call']:4.0f} µs, "
+                    f"client {c['client_cpu_us_per_call']:4.0f} µs"
+                )
+            print(line)
+        if cpu:
+            print(f"  (CPU: each round trip alone for {args.cpu_window:g} s after the timed loop; /proc, process time)")
         if thr is not None:
             wins = ", ".join(f"{w['phase']} {w['per_s']:,.0f}/s" for w in thr["windows"])
             print(
                 f"throughput: {thr['clients']} client processes ({thr['start_method']}), each with its own "
-                f"session of {thr['requests_per_client']} requests "
-                f"({MAX_REQUESTS} slots shared), Step request {thr['request_bytes']} B / response "
-                f"{thr['response_bytes']} B; windows of {thr['duration_s_per_window']:g} s: {wins}; "
-                f"{thr['kvmem_allocs_per_s']:,.0f} allocs/s"
+                f"session of {thr['requests_per_client']} requests stepping on its step stream, Step request "
+                f"{thr['request_bytes']} B / response {thr['response_bytes']} B; windows of "
+                f"{thr['duration_s_per_window']:g} s: {wins}; {thr['kvmem_allocs_per_s']:,.0f} allocs/s"
             )
             print(
-                "  ratio per block (kvmem / echo): "
+                "  ratio per block, kvmem / unary echo: "
                 + ", ".join(f"{r:.2f}" for r in thr["block_ratios"])
-                + f"; median {thr['ratio']:.2f}"
+                + f"; median {thr['ratio']:.2f}. kvmem / streamed echo: "
+                + ", ".join(f"{r:.2f}" for r in thr["block_ratios_vs_echo_stream"])
+                + f"; median {thr['ratio_vs_echo_stream']:.2f}"
             )
             scpu, ccpu = thr["server_cpu_us_per_call"], thr["client_cpu_us_per_call"]
-            if None not in (scpu["kvmem"], scpu["echo"], ccpu["kvmem"], ccpu["echo"]):
-                print(
-                    f"  CPU per call: server Step {scpu['kvmem']:.0f} µs vs echo {scpu['echo']:.0f} µs; "
-                    f"client Step {ccpu['kvmem']:.0f} µs vs echo {ccpu['echo']:.0f} µs"
-                )
+            labels = {"kvmem": "Step (streamed)", "echo": "unary echo", "echo_stream": "streamed echo"}
+            parts = [
+                f"{label} server {scpu[name]:.0f} µs / client {ccpu[name]:.0f} µs"
+                for name, label in labels.items()
+                if scpu[name] is not None and ccpu[name] is not None
+            ]
+            if parts:
+                print("  CPU per call: " + "; ".join(parts))
         if ref.available:
             print(f"reference: {ref.path} (CPU, pin_memory patched out; on a GPU it would cost more).")
         print(f"checked: {lat['checked']}")

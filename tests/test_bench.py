@@ -49,17 +49,40 @@ def test_core_bench_runs_and_checks_hold() -> None:
 
 @pytest.mark.timeout(240)
 def test_rpc_bench_runs_and_checks_hold() -> None:
+    # Short mode: every contender (the streamed and the unary Step, the unary and the
+    # streamed echo, the reference when ../shared has it), the CPU windows, and one block
+    # of throughput windows (kvmem, echo, echo_stream, echo, kvmem) with 2 clients.
     report = run_bench(
         "rpc_bench.py",
-        *("--reps", "20", "--warmup", "2", "--budget", "1"),
+        *("--reps", "20", "--warmup", "2", "--budget", "1", "--cpu-window", "0.1"),
         *("--duration", "0.3", "--blocks", "1", "--clients", "2"),
         timeout=230,
     )
     rows = {r["scenario"]: r for r in report["scenarios"]}
-    assert {"step_vs_echo", "clients_vs_echo"} <= set(rows)
-    for row in rows.values():
-        assert row["result"] in ("PASS", "MISS", "SKIP"), row
-    assert rows["clients_vs_echo"]["ratio"] > 0
+    targets = {"stream_step_vs_echo", "unary_step_vs_echo", "step_vs_reference", "clients_vs_echo"}
+    info = {"stream_step_vs_stream_echo", "stream_echo_vs_echo", "clients_vs_stream_echo"}
+    assert set(rows) == targets | info
+    for key in targets:
+        assert rows[key]["result"] in ("PASS", "MISS", "SKIP"), rows[key]
+        assert rows[key]["target"]["op"] in ("<=", ">="), rows[key]
+    for key in info:
+        assert rows[key]["result"] == "info" and rows[key]["target"] is None, rows[key]
+    for key in (targets | info) - {"step_vs_reference"}:
+        assert rows[key]["ratio"] > 0, rows[key]
+    if report["reference"]["available"]:  # CI has ../shared
+        assert rows["step_vs_reference"]["ratio"] > 0, rows["step_vs_reference"]
+    assert report["all_pass"] == all(rows[k]["result"] != "MISS" for k in targets)
+    contenders = {"step", "step_unary", "echo", "echo_stream"}
+    assert set(report["config"]["contenders"]) == contenders
+    assert rows["stream_step_vs_echo"]["contender"] == "step", rows["stream_step_vs_echo"]
+    assert rows["unary_step_vs_echo"]["contender"] == "step_unary", rows["unary_step_vs_echo"]
+    for name in contenders:
+        cpu = report["cpu_per_call"]["round_trips"][name]
+        assert cpu["calls"] > 0 and cpu["client_cpu_us_per_call"] > 0, (name, cpu)
+    thr = report["throughput"]
+    assert [w["phase"] for w in thr["windows"]] == ["kvmem", "echo", "echo_stream", "echo", "kvmem"]
+    assert all(w["calls"] > 0 for w in thr["windows"]), thr["windows"]
+    assert set(thr["server_cpu_us_per_call"]) == {"kvmem", "echo", "echo_stream"}
 
 
 @pytest.mark.timeout(120)
