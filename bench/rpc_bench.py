@@ -332,14 +332,16 @@ class EchoClient:
 
 
 def step_sizes(client: Any, res: Any, alloc_slots: Any, alloc_needs: Any) -> tuple[int, int]:
-    """Serialised sizes of the StepRequest the client sends for this step and of the
-    StepResponse it got (rebuilt exactly from the result's views)."""
-    from kvmem.client.step import as_ints
+    """Serialised sizes of the StepRequest the client sends for this step (its columns
+    encoded as the client encodes them: tensors as int32 bytes) and of the StepResponse
+    it got (rebuilt exactly from the result's views)."""
+    from kvmem.client.step import add_column
     from kvmem.v1 import kvmem_pb2
 
-    req = kvmem_pb2.StepRequest(
-        session_id=client.session_id, alloc_slots=as_ints(alloc_slots), alloc_needs=as_ints(alloc_needs)
-    )
+    columns: dict[str, Any] = {}
+    add_column(columns, "alloc_slots", alloc_slots)
+    add_column(columns, "alloc_needs", alloc_needs)
+    req = kvmem_pb2.StepRequest(session_id=client.session_id, **columns)
     resp = kvmem_pb2.StepResponse(
         epoch=client.epoch,
         alloc_status=res.status.numpy().tobytes(),

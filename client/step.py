@@ -45,6 +45,7 @@ def as_ints(values: IntsLike) -> Any:
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 _INT32 = np.iinfo(np.int32)
+_INT32_LE = np.dtype("<i4")  # on a little-endian host, the native int32 dtype object itself
 
 
 def add_column(columns: dict[str, Any], name: str, values: IntsLike) -> None:
@@ -58,19 +59,23 @@ def add_column(columns: dict[str, Any], name: str, values: IntsLike) -> None:
         columns[name] = values
         return
     a: Any = values
-    if isinstance(a, torch.Tensor):
-        if a.device.type != "cpu" or a.requires_grad:
-            a = a.detach().cpu()
-        a = a.numpy()
-    if isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iu":
-        if a.dtype == np.int32 or (
-            a.size and int(a.min(initial=0)) >= _INT32.min and int(a.max(initial=0)) <= _INT32.max
-        ):
-            columns[f"{name}_i32"] = a.astype("<i4", copy=False).tobytes()
+    if kind is torch.Tensor or (kind is not np.ndarray and isinstance(a, torch.Tensor)):
+        try:
+            a = a.numpy()  # a CPU tensor that needs no grad: a view, no copy
+        except (RuntimeError, TypeError):  # on a device, or requiring grad
+            a = a.detach().cpu().numpy()
+    if isinstance(a, np.ndarray) and a.ndim == 1:
+        dtype = a.dtype
+        if dtype is _INT32_LE:  # the common case (slots from open() are int32): one copy, no check
+            columns[f"{name}_i32"] = a.tobytes()
             return
-        if not a.size:
-            columns[name] = ()
-            return
+        if dtype.kind in "iu":
+            if not a.size:
+                columns[name] = ()
+                return
+            if int(a.min()) >= _INT32.min and int(a.max()) <= _INT32.max:
+                columns[f"{name}_i32"] = a.astype(_INT32_LE).tobytes()
+                return
     columns[name] = as_ints(values)
 
 
