@@ -109,3 +109,19 @@ def test_compat_bench_runs_and_checks_hold() -> None:
     report = run_bench("compat_bench.py", "--quick", timeout=110)
     assert report["iterations_checked"] >= 3 and report["ratio"] > 0
     assert report["steps"] >= 13  # one Step per iteration (and the prefill's)
+
+
+@pytest.mark.timeout(120)
+def test_step_profile_runs_and_times_the_handler_inside_the_server() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "step_profile.py"), "--seconds", "0.3", "--breakdown"],
+        capture_output=True, text=True, timeout=110, env=ENV,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    for row in ("echo stream", "empty step (stream)", "decode (stream)", "decode (unary)", "varint columns"):
+        assert row in out, out
+    for phase in ("handler, whole", "request columns -> batch", "core step", "of which the decode path",
+                  "response message"):  # fmt: skip
+        line = next(line for line in out.splitlines() if phase in line)
+        assert float(line.split()[-3]) > 0, line  # a median in µs, measured inside the server
