@@ -413,3 +413,30 @@ def test_the_async_client_streams_errors_in_band_and_recovers_from_a_cancelled_s
             assert (await kv.alloc(slots, [0, 0], expected_lens=[6, 3])).ok
 
     asyncio.run(main())
+
+
+def test_every_kind_of_int_column_is_sent_as_the_same_values(raw) -> None:
+    """Views with an offset or a stride, int64 and int16 tensors and arrays, requires-grad
+    free tensors, empty ones: each column reaches the server as the list would (int32
+    bytes where it fits, the repeated field where a value does not)."""
+    channel, kv = raw
+    stub = stub_for(channel)
+    big = torch.arange(0, 8, dtype=torch.int32)  # [0..7]: slot 1 at [1], slot 2 at [2]
+    kinds = [
+        ("offset view", big[1:3], torch.tensor([1, 1], dtype=torch.int32)[:2]),
+        ("strided view", torch.tensor([1, 9, 2, 9], dtype=torch.int32)[::2], torch.ones(4, dtype=torch.int32)[::2]),
+        ("int64 tensor", torch.tensor([1, 2]), torch.tensor([1, 1])),
+        ("int16 array", np.array([1, 2], dtype=np.int16), np.array([1, 1], dtype=np.uint8)),
+        ("big-endian array", np.array([1, 2], dtype=">i4"), np.array([1, 1], dtype=">i8")),
+        ("list", [1, 2], [1, 1]),
+    ]
+    for case, slots, needs in kinds:
+        r = kv.alloc(slots, needs, expected_lens=torch.tensor([6, 3]))
+        assert r.ok and r.kv_loc.tolist() == [2 * 4 + 2, 3 * 4 + 3], case  # token 6 of [1, 2], token 3 of [3]
+        assert kv.truncate(np.array([1, 2]), torch.tensor([6, 3], dtype=torch.int32)).num_pages_released == 0, case
+    before = snapshot(stub)
+    with pytest.raises(InvalidArgument, match=str(2**40)):  # beyond int32: sent as is, refused naming it
+        kv.alloc(torch.tensor([1]), torch.tensor([2**40]))
+    empty = kv.step(alloc_slots=torch.zeros(0, dtype=torch.int32), alloc_needs=np.zeros(0, dtype=np.int64))
+    assert empty.ok and empty.kv_loc.numel() == 0
+    assert snapshot(stub) == before
