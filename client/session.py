@@ -40,9 +40,10 @@ _NOT_ATTACHED = "not attached: use `await AsyncKVMemClient.connect(...)` or `asy
 
 
 class Call(Generic[T]):
-    """One unary call, described and not made: the stub's method name, the request, the
+    """One call, described and not made: the stub's method name, the request, the
     deadline in seconds, and ``read``, which turns the response into what the caller
-    gets. ``ends_session``: the client stops its keep-alive once the call is done.
+    gets (a Step goes on the client's step stream unless it was made with
+    ``step_stream=False``). ``ends_session``: the client stops its keep-alive once the call is done.
     ``fenced``: its answer is handed over only while the lease is known to hold (a Step:
     its pages are the session's only while the session lives). ``sent_at``: when it was
     built, just before it is sent (monotonic seconds)."""
