@@ -17,7 +17,7 @@ import grpc
 
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
-from .channel import TLSError
+from .channel import BIG_REQUEST_BYTES, TLSError, deadline_exceeded
 from .errors import KVMemError, SessionLost
 from .events import AsyncEventStream, watch_request
 from .session import Call, Session
@@ -89,7 +89,16 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
                     response = self._session.streamed(await stream.step(call.request, call.timeout))
                 else:
                     rpc = getattr(self._stub, call.method)
-                    response = await rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
+                    pending = rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
+                    if call.request.ByteSize() > BIG_REQUEST_BYTES:  # bounded by the client too: see channel.py
+                        try:
+                            async with asyncio.timeout(call.timeout):
+                                response = await pending
+                        except TimeoutError:
+                            pending.cancel()
+                            raise deadline_exceeded(call.method, call.timeout) from None
+                    else:
+                        response = await pending
             except grpc.RpcError as err:
                 raise self._transport.error(self._session.failed(err), first=call.method == "Attach") from None
             return self._session.finish(call, response)

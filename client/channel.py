@@ -30,6 +30,21 @@ CHANNEL_OPTIONS = (
 
 PemSource = str | bytes | os.PathLike[str]  # a path, or the PEM text itself (bytes)
 
+# A request up to this size fits any HTTP/2 flow-control window (64 KiB at the least), so
+# gRPC hands it to the transport at once. A bigger one may have to wait for the server to
+# read: measured with grpcio 1.85, a blocking unary call (and an asyncio one) whose 16 MB
+# request waits so on a stopped server does not end at its deadline but hangs. The
+# clients bound such calls with a timer of their own (:func:`deadline_exceeded`).
+BIG_REQUEST_BYTES = 16 * 1024
+
+
+def deadline_exceeded(method: str, timeout: float) -> KVMemError:
+    """What a call gets when its answer does not come within ``timeout`` seconds: the
+    DEADLINE_EXCEEDED gRPC gives a unary call, when the client had to enforce it."""
+    return KVMemError(
+        grpc.StatusCode.DEADLINE_EXCEEDED, "", f"Deadline Exceeded: no {method} answer within {timeout:g} s"
+    )
+
 
 def normalize_target(target: str) -> str:
     """``/path/to.sock`` and ``unix:/path`` are unix sockets; anything else is

@@ -25,19 +25,10 @@ from google.protobuf.message import Message
 
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
-from .errors import KVMemError, Unavailable
+from .channel import BIG_REQUEST_BYTES, deadline_exceeded
+from .errors import Unavailable
 
 _UNSPECIFIED = ""  # no kvmem reason: the failure is the client's or gRPC's
-
-
-def deadline_exceeded(timeout: float) -> KVMemError:
-    """What a step gets when its answer does not come within ``timeout`` seconds (the
-    unary call's DEADLINE_EXCEEDED)."""
-    return KVMemError(
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        _UNSPECIFIED,
-        f"Deadline Exceeded: no answer on the step stream within {timeout:g} s",
-    )
 
 
 def stream_ended() -> Unavailable:
@@ -48,7 +39,8 @@ def stream_ended() -> Unavailable:
 class StepStream:
     """The blocking client's stream. gRPC's sync API sends from a thread of its own,
     which consumes :meth:`_feed`; that thread also watches the deadline of the step in
-    flight (it waits on the queue no longer than that), so a step costs no timer.
+    flight (it waits on the queue no longer than that), so a step costs no timer (but
+    a big one: see :meth:`step`).
     :meth:`step` may be called from several threads: steps go one at a time."""
 
     def __init__(self, stub: kvmem_pb2_grpc.KVMemoryStub, metadata: Any) -> None:
@@ -70,21 +62,40 @@ class StepStream:
         ``grpc.RpcError`` when the stream broke, :class:`KVMemError` DEADLINE_EXCEEDED
         or :class:`Unavailable` (the server ended the stream); the stream is then done."""
         with self._serial:
+            deadline = time.monotonic() + timeout
             with self._guard:
-                self._deadline = time.monotonic() + timeout
+                self._deadline = deadline
+            # A big request may not fit the stream's flow-control window: gRPC's sending
+            # thread then waits for the server to take it and does not come back to the
+            # feeder, which cannot watch the deadline. Such a step gets a timer of its own
+            # (a thread: negligible next to sending that much).
+            timer = None
+            if request.ByteSize() > BIG_REQUEST_BYTES:
+                timer = threading.Timer(timeout, self._expire, (deadline,))
+                timer.daemon = True
+                timer.start()
             self._queue.put(request)
             try:
                 response: kvmem_pb2.StepResponse = next(self._call)
                 return response
             except grpc.RpcError:
                 if self._timed_out:
-                    raise deadline_exceeded(timeout) from None
+                    raise deadline_exceeded("Step", timeout) from None
                 raise
             except StopIteration:
                 raise stream_ended() from None
             finally:
+                if timer is not None:
+                    timer.cancel()
                 with self._guard:
                     self._deadline = None
+
+    def _expire(self, deadline: float) -> None:
+        """The deadline of a step passed: cancel the stream if that step is still in flight."""
+        with self._guard:
+            if self._deadline == deadline:
+                self._timed_out = True
+                self._call.cancel()
 
     def _feed(self) -> Iterator[Message]:
         """The requests, as gRPC's sending thread takes them. Between steps it waits for
@@ -139,7 +150,7 @@ class AsyncStepStream:
                     response = await self._call.read()
             except TimeoutError:
                 self.close()
-                raise deadline_exceeded(timeout) from None
+                raise deadline_exceeded("Step", timeout) from None
             except asyncio.InvalidStateError:  # written after the call ended without an error
                 self.close()
                 raise stream_ended() from None

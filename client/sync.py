@@ -15,7 +15,7 @@ import grpc
 
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
-from .channel import TLSError
+from .channel import BIG_REQUEST_BYTES, TLSError, deadline_exceeded
 from .errors import KVMemError, SessionLost
 from .events import EventStream, watch_request
 from .session import Call, Session
@@ -74,6 +74,8 @@ class KVMemClient(ClientBase[Blocking]):
             try:
                 if call.method == "Step" and self._step_stream:
                     response = self._session.streamed(self._stream_step(call))
+                elif call.request.ByteSize() > BIG_REQUEST_BYTES:
+                    response = self._bounded(call)
                 else:
                     rpc = getattr(self._stub, call.method)
                     response = rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
@@ -87,6 +89,18 @@ class KVMemClient(ClientBase[Blocking]):
             if call.ends_session:
                 self._stop_keepalive()
                 self._close_steps()
+
+    def _bounded(self, call: Call[T]) -> Any:
+        """A unary call with a big request, waited for no longer than its deadline (see
+        :data:`~kvmem.client.channel.BIG_REQUEST_BYTES`): cancelled past it."""
+        future = getattr(self._stub, call.method).future(
+            call.request, timeout=call.timeout, metadata=self._session.metadata
+        )
+        try:
+            return future.result(timeout=call.timeout)
+        except grpc.FutureTimeoutError:
+            future.cancel()
+            raise deadline_exceeded(call.method, call.timeout) from None
 
     def _stream_step(self, call: Call[T]) -> kvmem_pb2.StepResponse:
         """``call`` on the step stream, opened (again) when there is none that works;

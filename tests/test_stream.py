@@ -440,3 +440,48 @@ def test_every_kind_of_int_column_is_sent_as_the_same_values(raw) -> None:
     empty = kv.step(alloc_slots=torch.zeros(0, dtype=torch.int32), alloc_needs=np.zeros(0, dtype=np.int64))
     assert empty.ok and empty.kv_loc.numel() == 0
     assert snapshot(stub) == before
+
+
+@pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
+@pytest.mark.parametrize("api", ["sync", "asyncio"])
+def test_a_big_step_to_a_stopped_server_ends_at_its_deadline(server: ServerProcess, step_stream: bool, api: str) -> None:
+    """An 8 MB step (2M token ids) cannot be handed to a stopped server (HTTP/2 flow
+    control): gRPC (1.85) would wait past the call's deadline, sending it; the clients
+    bound such calls themselves. DEADLINE_EXCEEDED at its timeout, and the next step
+    works once the server runs again."""
+    tokens = np.zeros(2_000_000, dtype=np.int32)
+
+    def big_step_while_stopped(step: Any) -> tuple[KVMemError, float]:
+        server.proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            with pytest.raises(KVMemError) as exc_info:
+                step()
+            return exc_info.value, time.monotonic() - started
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+
+    if api == "sync":
+        with KVMemClient(server.target, name="big", step_stream=step_stream, keepalive=False) as kv:
+            slot = int(kv.open(["big"])[0])
+            err, took = big_step_while_stopped(lambda: kv.step(match=[(slot, tokens)], timeout=0.5))
+            assert kv.alloc([slot], [1], timeout=30).ok
+    else:
+
+        async def main() -> tuple[KVMemError, float]:
+            async with AsyncKVMemClient(server.target, name="big", step_stream=step_stream, keepalive=False) as kv:
+                slot = int((await kv.open(["big"]))[0])
+                server.proc.send_signal(signal.SIGSTOP)
+                started = time.monotonic()
+                try:
+                    with pytest.raises(KVMemError) as exc_info:
+                        await kv.step(match=[(slot, tokens)], timeout=0.5)
+                    outcome = exc_info.value, time.monotonic() - started
+                finally:
+                    server.proc.send_signal(signal.SIGCONT)
+                assert (await kv.alloc([slot], [1], timeout=30)).ok
+                return outcome
+
+        err, took = asyncio.run(main())
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    assert 0.4 < took < 2.0, took
