@@ -39,6 +39,17 @@ UNSPECIFIED: Reason = Reason["UNSPECIFIED"]  # what the client says where it has
 _NOT_ATTACHED = "not attached: use `await AsyncKVMemClient.connect(...)` or `async with AsyncKVMemClient(...)`"
 
 
+_MAX_TIMEOUT_S = 10**7  # about 116 days: gRPC takes no infinite deadline (it fails at once)
+
+
+def checked_timeout(seconds: float) -> float:
+    """A call's deadline in seconds: a positive finite number (ValueError naming it
+    otherwise: gRPC would fail the call at once on an infinite one)."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= _MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be a number of seconds in (0, {_MAX_TIMEOUT_S:g}], got {seconds!r}")
+    return float(seconds)
+
+
 class Call(Generic[T]):
     """One call, described and not made: the stub's method name, the request, the
     deadline in seconds, and ``read``, which turns the response into what the caller
@@ -87,7 +98,7 @@ class Session:
         self.name = name
         self.quota_pages = quota_pages
         self.cache_namespace = cache_namespace
-        self.timeout = timeout
+        self.timeout = checked_timeout(timeout)
         self.metadata = auth_metadata(auth_token)
         self.keepalive = keepalive
         self.session_id = ""
@@ -278,7 +289,7 @@ class Session:
             raise self.lost.with_traceback(None)  # a fresh traceback each time, not a growing one
 
     def _deadline(self, timeout: float | None) -> float:
-        return self.timeout if timeout is None else timeout
+        return self.timeout if timeout is None else checked_timeout(timeout)
 
     # -------------------------------------------------------------- answers
 

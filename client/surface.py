@@ -21,7 +21,7 @@ from kvmem.v1 import kvmem_pb2
 from .channel import PemSource, transport
 from .errors import SessionLost
 from .memory import KVLayer, MappedMemory
-from .session import Call, Session
+from .session import Call, Session, checked_timeout
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -185,7 +185,7 @@ class ClientBase(Generic[Mode]):
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        self._session.timeout = seconds
+        self._session.timeout = checked_timeout(seconds)
 
     session_id = SessionField[str]("Unguessable: it names the session in every call (empty until attached).")
     lease_valid_until = SessionField[float](

@@ -485,3 +485,18 @@ def test_a_big_step_to_a_stopped_server_ends_at_its_deadline(server: ServerProce
         err, took = asyncio.run(main())
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
     assert 0.4 < took < 2.0, took
+
+
+def test_a_timeout_is_a_positive_finite_number_of_seconds(server: ServerProcess) -> None:
+    """gRPC fails a call with an infinite deadline at once (DEADLINE_EXCEEDED, even the
+    Attach): the clients refuse such a timeout up front, naming it, and change nothing."""
+    for bad in (float("inf"), 0, -1.0, float("nan"), "10"):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            KVMemClient(server.target, name="t", timeout=bad)  # type: ignore[arg-type]
+    with KVMemClient(server.target, name="t") as kv:
+        slots = kv.open(["r"])
+        with pytest.raises(ValueError, match="got inf"):
+            kv.alloc(slots, [1], timeout=float("inf"))
+        with pytest.raises(ValueError, match="got 0"):
+            kv.timeout = 0
+        assert kv.timeout == 10.0 and kv.alloc(slots, [1], expected_lens=[0], timeout=1e6).ok
