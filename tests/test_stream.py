@@ -288,7 +288,7 @@ def test_a_step_past_its_deadline_fails_and_the_next_one_works(server: ServerPro
         finally:
             server.proc.send_signal(signal.SIGCONT)
         assert exc_info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc_info.value
-        assert 0.25 < took < 0.8, took
+        assert 0.25 < took < 2.0, took  # without a deadline it would not raise: it would end after SIGCONT
         r = kv.alloc(slots, [1])  # the timed-out alloc of 0 tokens changed nothing either way
         assert r.ok and r.kv_loc.tolist() == [2 * 4]  # token 4 of row [1, 2]
 
