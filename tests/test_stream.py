@@ -444,7 +444,9 @@ def test_every_kind_of_int_column_is_sent_as_the_same_values(raw) -> None:
 
 @pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
 @pytest.mark.parametrize("api", ["sync", "asyncio"])
-def test_a_big_step_to_a_stopped_server_ends_at_its_deadline(server: ServerProcess, step_stream: bool, api: str) -> None:
+def test_a_big_step_to_a_stopped_server_ends_at_its_deadline(
+    server: ServerProcess, step_stream: bool, api: str
+) -> None:
     """An 8 MB step (2M token ids) cannot be handed to a stopped server (HTTP/2 flow
     control): gRPC (1.85) would wait past the call's deadline, sending it; the clients
     bound such calls themselves. DEADLINE_EXCEEDED at its timeout, and the next step
