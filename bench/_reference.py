@@ -10,19 +10,21 @@ other attribute is the real ``torch``, and the original global is restored after
 (``clear()`` allocates only on first use, so later calls never reach ``zeros`` with
 ``pin_memory`` again).
 
-Shared by the benchmarks in this folder (``core_bench.py``, and later ones that compare
-the service against the same baseline).
+Shared by the benchmarks in this folder. The import and the patch are
+:mod:`kvmem.server.simulate_reference`'s (``kvmem simulate --baseline`` loads the same
+file); this module only makes a missing file a note instead of an error, and builds the
+allocator with the geometry of a kvmem pool.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import pathlib
 import types
 from typing import Any
 
-REFERENCE_RELPATH = pathlib.Path("shared") / "reference" / "seed_kv_allocator.py"
+from kvmem.server.simulate_reference import REFERENCE_RELPATH, ReferenceMissing, construct
+from kvmem.server.simulate_reference import load_reference as _load
 
 
 def default_reference_path() -> pathlib.Path:
@@ -58,15 +60,13 @@ class Reference:
         indices ``0 .. max_batch_size - 1``."""
         if self.module is None:
             raise RuntimeError(f"reference allocator not available: {self.note}")
-        return construct_without_pinning(
+        return construct(
             self.module,
-            lambda: self.module.KVAllocator(
-                size=num_pages * page_size,
-                device=device,
-                max_batch_size=max_batch_size,
-                max_context_len=max_context_len,
-                page_size=page_size,
-            ),
+            size=num_pages * page_size,
+            device=device,
+            max_batch_size=max_batch_size,
+            max_context_len=max_context_len,
+            page_size=page_size,
         )
 
 
@@ -78,40 +78,6 @@ def load_reference(path: str | pathlib.Path | None = None) -> Reference:
     if not p.is_file():
         return Reference(p, None, f"reference allocator not found at {p}")
     try:
-        spec = importlib.util.spec_from_file_location("_kvmem_bench_seed_kv_allocator", p)
-        if spec is None or spec.loader is None:
-            return Reference(p, None, f"cannot import {p}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - reported, the benchmark goes on without it
-        return Reference(p, None, f"importing {p} failed: {type(exc).__name__}: {exc}")
-    if not hasattr(module, "KVAllocator"):
-        return Reference(p, None, f"{p} defines no KVAllocator")
-    return Reference(p, module)
-
-
-class _NoPinTorch:
-    """``torch`` with ``zeros(..., pin_memory=True)`` made unpinned; all else forwarded."""
-
-    def __init__(self, torch: types.ModuleType) -> None:
-        self._torch = torch
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._torch, name)
-
-    def zeros(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs.pop("pin_memory", None)
-        return self._torch.zeros(*args, **kwargs)
-
-
-def construct_without_pinning(module: types.ModuleType, build: Any) -> Any:
-    """Call ``build()`` with ``module.torch`` swapped for :class:`_NoPinTorch` when CUDA
-    is unavailable (pinned host memory needs a GPU); restore it afterwards."""
-    real = module.torch
-    if real.cuda.is_available():
-        return build()
-    module.torch = _NoPinTorch(real)
-    try:
-        return build()
-    finally:
-        module.torch = real
+        return Reference(p, _load(p))
+    except ReferenceMissing as exc:
+        return Reference(p, None, str(exc))
