@@ -116,15 +116,38 @@ _BY_REASON: dict[Reason, type[KVMemError]] = {
 }
 
 
+# What gRPC's Python channels (sync and asyncio) say of a call the application cancelled.
+LOCAL_CANCELLATION = "Locally cancelled by application!"
+
+
 def from_rpc_error(err: grpc.RpcError) -> KVMemError:
     """The domain exception for a failed call (sync ``RpcError`` or asyncio
     ``AioRpcError``: both are calls whose ``code()``, ``details()`` and
-    ``trailing_metadata()`` answer at once)."""
+    ``trailing_metadata()`` answer at once).
+
+    A CANCELLED that this process did not ask for is :class:`Unavailable` with the
+    reason SHUTTING_DOWN: kvmem never cancels a call, but the server's gRPC does, to
+    every call it has taken from the connection and not yet handed to the service when
+    its shutdown starts (grpc/grpc#41785: such a call never ran, so it changed
+    nothing). A scheduler must be able to tell that from its own cancellation."""
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.CANCELLED and details != LOCAL_CANCELLATION:
+        return server_cancelled(details)
     try:
         status: status_pb2.Status | None = rpc_status.from_call(err)
     except (AttributeError, TypeError, ValueError, DecodeError):
         status = None  # malformed, or disagreeing with the call's code and message (a proxy's rewrite)
-    return _domain_error(err.code(), err.details() or "", status)
+    return _domain_error(code, details, status)
+
+
+def server_cancelled(details: str) -> Unavailable:
+    """What a call the server cancelled (see :func:`from_rpc_error`) raises."""
+    return Unavailable(
+        grpc.StatusCode.UNAVAILABLE,
+        Reason["SHUTTING_DOWN"],
+        "the server cancelled the call before it ran: its gRPC does so to the calls not yet handed to "
+        f"the service when it starts to shut down, so nothing changed (gRPC said CANCELLED: {details})",
+    )
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

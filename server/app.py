@@ -331,7 +331,7 @@ class KVMemServer:
         self.sessions.accepting = False
         await self._drain(cfg.drain_s)
         self.service.stopping.set()  # from here every call is refused: UNAVAILABLE
-        for task in list(self.service.stream_tasks):
+        for task in list(self.service.waiting):  # session streams waiting for a message end now
             task.cancel()
         self._close_events()  # watch streams end now (UNAVAILABLE), not after the grace period
         if self._reaper is not None:

@@ -108,8 +108,9 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         self.memory_handles: list[kvmem_pb2.MemoryHandle] = []
         self.memory_backend = "none"
         self._auth = None if auth_token is None else f"Bearer {auth_token}".encode()
-        # The handler tasks of the session streams (KeepAlive, StepStream): shutdown ends them.
-        self.stream_tasks: set[asyncio.Task[Any]] = set()
+        # The session streams' handler tasks (KeepAlive, StepStream) while they wait for
+        # the client's next message: what the shutdown cancels (see _messages).
+        self.waiting: set[asyncio.Task[Any]] = set()
         self.stopping = asyncio.Event()
         self.rpc_stats: RpcStats | None = None  # set by the server when it serves metrics
         self.refusals = RefusalLog()  # flushed by the server at shutdown
@@ -180,6 +181,28 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         if self.stopping.is_set():
             raise KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: it takes no more calls")
         self._check_auth(context)
+
+    async def _messages(self, request_iterator: AsyncIterator[Req]) -> AsyncIterator[Req]:
+        """A session stream's messages, until the client ends the stream or the drain of a
+        shutdown is over. While it waits for the next message the handler's task is in
+        :attr:`waiting`: the shutdown cancels those tasks (the handler then ends the stream
+        with SHUTTING_DOWN), and only those. A task cancelled while it sends an answer
+        would send no status at all, leaving the client to wait for the end of the grace
+        period (gRPC then fails the call); one that answers sees the shutdown here,
+        before it waits again."""
+        task = asyncio.current_task()
+        assert task is not None
+        waiting, stopping = self.waiting, self.stopping
+        messages = aiter(request_iterator)
+        while not stopping.is_set():
+            waiting.add(task)
+            try:
+                message = await anext(messages)
+            except StopAsyncIteration:
+                return
+            finally:
+                waiting.discard(task)
+            yield message
 
     def _refused(self, context: grpc.aio.ServicerContext, method: str, err: KVMemError) -> None:
         """Log a refused call: corruption (a bug in kvmem) as an ERROR each time, any
@@ -262,14 +285,9 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
             self._refused(context, "StepStream", err)
             await context.abort_with_status(_to_status(err))
             raise AssertionError("abort_with_status returned") from err  # it always raises
-        task = asyncio.current_task()
-        assert task is not None
-        self.stream_tasks.add(task)
         step = KVMemoryService._step
         try:
-            async for request in request_iterator:
-                if self.stopping.is_set():
-                    break
+            async for request in self._messages(request_iterator):
                 response, refused = self._handle("StepStream", step, request, context, admit=False)
                 if refused is not None:
                     response = refused_step(refused, "" if self._sessions is None else self._sessions.epoch)
@@ -278,9 +296,7 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 raise  # gRPC cancelled the call: the peer is gone, there is no one to answer
-            # Shutdown cancels this task (see KeepAlive): end the stream with a status.
-        finally:
-            self.stream_tasks.discard(task)
+            # The shutdown cancelled this task while it waited for a message (see _messages).
         if self.stopping.is_set():
             await context.abort_with_status(
                 _to_status(KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: it takes no more calls"))
@@ -338,13 +354,10 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
             await context.abort_with_status(_to_status(err))
             raise AssertionError("abort_with_status returned") from err  # it always raises
         session_id = None
-        task = asyncio.current_task()
-        assert task is not None
-        self.stream_tasks.add(task)
         reply = kvmem_pb2.KeepAliveResponse(epoch=sessions.epoch)
         ended_by_server = False
         try:
-            async for message in request_iterator:
+            async for message in self._messages(request_iterator):
                 if isinstance(message, Malformed):
                     raise message.error("KeepAlive")
                 if session_id is not None and message.session_id and message.session_id != session_id:
@@ -362,13 +375,13 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 raise  # gRPC cancelled the call: the peer is gone, there is no one to answer
-            # Shutdown cancels this task. grpc.aio sends no status for a cancelled handler,
-            # so without one the stream would stay open until the grace period runs out.
-            ended_by_server = True
+            # The shutdown cancelled this task while it waited for a message (see _messages).
+        finally:
+            if session_id is not None and not ended_by_server and not self.stopping.is_set():
+                sessions.stream_gone(session_id)
+        if self.stopping.is_set():
+            # grpc.aio sends no status for a handler that returns or is cancelled: without
+            # one the stream would stay open until the grace period runs out.
             await context.abort_with_status(
                 _to_status(KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: this session ended"))
             )
-        finally:
-            self.stream_tasks.discard(task)
-            if session_id is not None and not ended_by_server and not self.stopping.is_set():
-                sessions.stream_gone(session_id)

@@ -114,11 +114,14 @@ def short_tmpdir() -> str:
 
 def start_server(
     directory: str, *extra: str, socket_name: str = "kvmem.sock", env: dict[str, str] | None = None,
-    wait: bool = True,
+    wait: bool = True, launcher: tuple[str, ...] = ("-m", "kvmem.server.cli"),
 ) -> ServerProcess:  # fmt: skip
+    """``kvmem serve`` on ``directory``/``socket_name`` with ``extra`` options; ``launcher``
+    is what follows the Python executable (a ``-c`` script that patches the server for a
+    test, then calls ``kvmem.server.cli.main``)."""
     socket_path = os.path.join(directory, socket_name)
     log_path = os.path.join(directory, f"{socket_name}.log")
-    args = [sys.executable, "-m", "kvmem.server.cli", "serve", "--socket", socket_path, *extra]
+    args = [sys.executable, *launcher, "serve", "--socket", socket_path, *extra]
     full_env = dict(os.environ)
     full_env.setdefault("KVMEM_DEBUG", "1")  # audit after every step in tests
     full_env.update(env or {})

@@ -326,8 +326,9 @@ def test_a_killed_server_fails_the_step_as_unavailable_or_session_lost(tmpdir_sh
         kv.close()
 
 
+@pytest.mark.parametrize("run", range(3))
 @pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
-def test_after_the_drain_the_stream_ends_with_shutting_down(tmpdir_short: str, step_stream: bool) -> None:
+def test_after_the_drain_the_stream_ends_with_shutting_down(tmpdir_short: str, step_stream: bool, run: int) -> None:
     """Steps go on through the drain on the open stream; after it the step in flight or
     the next one fails UNAVAILABLE (SHUTTING_DOWN, or a refused connection once the
     listener is gone), as a unary Step does. (The keep-alive stream may tell first: the
