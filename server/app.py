@@ -13,12 +13,13 @@ import time
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvmem.server.core import CoreConfig
 from kvmem.server.core.events import AllCleared, CacheEvent
 from kvmem.server.core.hashing import PageKeys
+from kvmem.server.handlers import add_guarded
 from kvmem.server.kv_events import EventLog
 from kvmem.server.memory import KVGeometry, MemoryBackend, PoolSpec, format_size
 from kvmem.server.metrics import MetricsServer, RpcStats, build_registry
@@ -40,6 +41,8 @@ from kvmem.v1 import kvmem_pb2
 log = logging.getLogger("kvmem.server")
 
 SERVICE_NAME = kvmem_pb2.DESCRIPTOR.services_by_name["KVMemory"].full_name  # readiness
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
+REFLECTION = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -134,13 +137,12 @@ class KVMemServer:
         self._starting = server
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
         self.service = KVMemoryService(cfg.auth_token)
         add_to_server(self.service, server)  # a body that does not parse: INVALID_ARGUMENT, not UNKNOWN
+        refusals = self.service.refusals  # the stock services' malformed calls too
+        add_guarded(self.health, HEALTH, server, refusals)
+        names = (SERVICE_NAME, HEALTH.full_name, reflection.SERVICE_NAME)
+        add_guarded(reflection.aio.ReflectionServicer(names), REFLECTION, server, refusals)
         if cfg.socket_path is not None:
             old_umask = os.umask(0o177)  # the socket is born 0600
             self._socket_made = True  # checked free (or a dead server's) before: ours to remove on failure
@@ -180,7 +182,8 @@ class KVMemServer:
         """grpc.health.v1 alone on a TCP port of every interface, the same statuses as on
         the socket (one servicer): what kubelet's gRPC probes need, and nothing else."""
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        assert self.service is not None
+        add_guarded(self.health, HEALTH, server, self.service.refusals)
         try:
             server.add_insecure_port(f"0.0.0.0:{port}")
         except RuntimeError as exc:
@@ -339,7 +342,6 @@ class KVMemServer:
         for session_id in list(self.sessions.by_id):
             self.sessions.end(session_id, "server shutdown")
         await self.grpc_server.stop(cfg.shutdown_grace_s)
-        self.service.refusals.flush()  # the last summary of refused calls
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         if self.memory is not None:
@@ -349,6 +351,7 @@ class KVMemServer:
                 os.unlink(self.config.socket_path)
         if self.health_server is not None:  # last: the probes see NOT_SERVING until the end
             await self.health_server.stop(0)
+        self.service.refusals.flush()  # the last summary of refused calls
         log.info("stopped")
 
     async def _drain(self, seconds: float) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
+from kvmem.server.handlers import register
 from kvmem.server.metrics import RpcStats
 from kvmem.server.refusals import RefusalLog
 from kvmem.server.sessions import Sessions
@@ -27,7 +28,6 @@ from kvmem.server.version import version
 from kvmem.server.wire import (
     STATUS_CODE,
     Malformed,
-    deserializer,
     refused_step,
     stats_response,
     step_batch,
@@ -43,32 +43,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvmem.service")
 
-_HANDLER_KINDS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
 
 def add_to_server(service: KVMemoryService, server: grpc.aio.Server) -> None:
     """Register ``service``'s methods (every method of the proto's KVMemory) on
     ``server``, as ``kvmem_pb2_grpc.add_KVMemoryServicer_to_server`` would, but with
     request deserializers that hand a body that does not parse to the handler as a
     :class:`Malformed`, so that it is refused as INVALID_ARGUMENT naming the method."""
-    descriptor = kvmem_pb2.DESCRIPTOR.services_by_name["KVMemory"]
-    handlers = {}
-    for method in descriptor.methods:
-        request_cls = getattr(kvmem_pb2, method.input_type.name)
-        response_cls = getattr(kvmem_pb2, method.output_type.name)
-        make = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = make(
-            getattr(service, method.name),
-            request_deserializer=deserializer(request_cls),
-            response_serializer=response_cls.SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
-    server.add_registered_method_handlers(descriptor.full_name, handlers)
+    register(server, kvmem_pb2.DESCRIPTOR.services_by_name["KVMemory"], lambda method: getattr(service, method.name))
 
 
 Req = TypeVar("Req")
