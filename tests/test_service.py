@@ -661,17 +661,19 @@ def test_sigterm_readiness_not_serving_attach_unavailable_exit_0(tmpdir_short: s
         srv.stop()
 
 
-def test_sigterm_with_attached_clients_exits_0_promptly_and_removes_its_socket(server: ServerProcess) -> None:
+def test_sigterm_with_attached_clients_exits_0_promptly_and_removes_its_socket(tmpdir_short: str) -> None:
     """Keep-alive streams are not in-flight work: after the drain (1 s by default, the
     session being still attached), the server ends them at once instead of waiting for
-    them, and exits within a second of the drain's end."""
+    them. The grace period is 30 s here: waiting for them would cost all of it."""
+    server = start_server(tmpdir_short, "--num-pages", "65", "--page-size", "4", "--max-context", "64",
+                          "--shutdown-grace-ms", "30000")  # fmt: skip
     assert stat.S_IMODE(os.stat(server.socket_path).st_mode) == 0o600
     kv = KVMemClient(server.target, name="attached")
     kv.alloc(kv.open(["r"]), [3])
     time.sleep(0.1)  # the keep-alive stream is open
     t0 = time.monotonic()
     assert server.stop() == 0, server.log()
-    assert time.monotonic() - t0 < 1.0 + 1.5, server.log()
+    assert time.monotonic() - t0 < 10, server.log()  # drain 1 s, then no wait for the streams
     assert not os.path.exists(server.socket_path)
     deadline = time.monotonic() + 3
     while True:  # the keep-alive thread reports the end of the session

@@ -408,16 +408,29 @@ def test_kv_events_zmq_publishes_vllm_batches_and_replays_them(tmpdir_short: str
         sub = ctx.socket(zmq.SUB)
         sub.connect(found.group(1))
         sub.setsockopt(zmq.SUBSCRIBE, b"kv@pod-0")
-        time.sleep(0.5)  # a SUB socket misses what is published before it has joined
+        # A SUB socket misses what is published before it has joined: probes (pages cached
+        # in another namespace, tokens from 1000 on) until one gets through.
+        with KVMemClient(srv.target, name="probe", cache_namespace="probe") as probe:
+            deadline, n = time.monotonic() + 30, 0
+            while not sub.poll(50):
+                assert time.monotonic() < deadline, "the subscriber never joined"
+                [p] = probe.open([f"probe{n}"]).tolist()
+                probe.alloc([p], [4])
+                probe.release([p], [list(range(1000 + 4 * n, 1004 + 4 * n))])
+                n += 1
         with KVMemClient(srv.target, name="A") as A:
             [a] = A.open(["prompt"]).tolist()
             A.alloc([a], [10])
             A.release([a], [PROMPT])
-        assert sub.poll(10_000), "no ZMQ message"
-        topic, seq, payload = sub.recv_multipart()
-        # ZMQ batch 0 was the "all cleared" sent at start (before this subscriber joined).
-        assert (topic, int.from_bytes(seq, "big")) == (b"kv@pod-0", 1)
-        ts, [event], rank = msgspec.msgpack.decode(payload)
+        while True:  # the probes' batches, then the prompt's
+            assert sub.poll(10_000), "no ZMQ message"
+            topic, seq, payload = sub.recv_multipart()
+            ts, [event], rank = msgspec.msgpack.decode(payload)
+            if event["token_ids"][0] < 1000:
+                break
+        # ZMQ batch 0 was the "all cleared" sent at start (before this subscriber joined),
+        # then one batch per probe.
+        assert (topic, int.from_bytes(seq, "big")) == (b"kv@pod-0", 1 + n)
         assert ts > 0 and rank == 0
         assert event["type"] == "BlockStored" and len(event["block_hashes"]) == 2
         assert event["token_ids"] == PROMPT[:8] and event["block_size"] == PS
@@ -427,11 +440,12 @@ def test_kv_events_zmq_publishes_vllm_batches_and_replays_them(tmpdir_short: str
         replay.connect(found.group(2))
         replay.send_multipart((b"", (0).to_bytes(8, "big")))
         assert replay.poll(10_000), "no replay answer"
-        zero, one = replay.recv_multipart(), replay.recv_multipart()
+        replayed = [replay.recv_multipart() for _ in range(2 + n + 1)]
+        zero = replayed[0]
         assert zero[:3] == [b"", b"kv@pod-0", (0).to_bytes(8, "big")]
         assert [e["type"] for e in msgspec.msgpack.decode(zero[3])[1]] == ["AllBlocksCleared"]
-        assert one == [b"", b"kv@pod-0", seq, payload]
-        assert replay.recv_multipart() == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+        assert replayed[1 + n] == [b"", b"kv@pod-0", seq, payload]
+        assert replayed[2 + n] == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
     finally:
         ctx.destroy(linger=0)
         assert srv.stop() == 0, srv.log()

@@ -5,6 +5,7 @@ the test over a line protocol on its stdin/stdout:
 
     child: READY                 attached, requests open (and, mode "hold", pages held)
     test:  go                    start stepping                   (modes "random", "loop")
+    child: STEPPING              its first step went through      (mode "loop")
     child: HELD <json>           its request -> pages map         (modes "random", "hold")
     test:  release | stop | step | exit
     child: DONE <json>           its summary; it then detaches and exits 0
@@ -155,6 +156,7 @@ elif mode == "loop":
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
     first = time.time()
     last, max_gap, error = first, 0.0, None
+    stepped = False
     try:
         while not stop.is_set():
             if reqs.length["l0"] >= 64:
@@ -164,6 +166,9 @@ elif mode == "loop":
             assert reqs.counts["out_of_pages"] == 0
             now = time.time()
             last, max_gap = now, max(max_gap, now - last)
+            if not stepped:
+                stepped = True
+                say("STEPPING")
     except Exception as exc:  # reported to the test, which fails on it
         error = repr(exc)
     say("DONE", json.dumps({"steps": reqs.counts["steps"], "first": first, "last": last, "max_gap": max_gap,
@@ -289,12 +294,14 @@ def test_killed_and_stopped_clients_lose_their_pages_and_others_never_notice(
 ) -> None:
     """At once: "killed" gets SIGKILL, "sleeper" SIGSTOP, while "bystander" steps on.
 
-    The killed process's keep-alive stream breaks with it: its pages are back within a
-    second. The stopped one's stream stays open but silent: once its lease (1500 ms)
-    lapses, plus at most a second, its session ends and its pages are quarantined (it
-    may wake up and write into them), not free; woken up, its next call raises
-    SessionLost, its client closes the keep-alive stream, and only then are its pages
-    free. The bystander steps before, during and after, without an error."""
+    The killed process's keep-alive stream breaks with it: its session ends for that
+    reason (the server's log says why), before the stopped one's lease could lapse. The
+    stopped one's stream stays open but silent: its session ends when its lease (1500 ms)
+    lapses, not before, and its pages are quarantined (it may wake up and write into
+    them), not free; woken up, its next call raises SessionLost, its client closes the
+    keep-alive stream, and only then are its pages free. The bystander steps before,
+    during and after, without an error. (How soon each comes back is the fault run's
+    figure, bench/fault_run.py: on a loaded host it is the kernel's teardown.)"""
     killed = Child(server, "hold", "killed")
     sleeper = Child(server, "hold", "sleeper")
     bystander = Child(server, "loop", "bystander")
@@ -304,7 +311,7 @@ def test_killed_and_stopped_clients_lose_their_pages_and_others_never_notice(
         assert sum(map(len, victim.expect_json("HELD").values())) == 3 + 2 + 5  # 10, 7 and 20 tokens
     bystander.expect("READY")
     bystander.send("go")
-    time.sleep(0.3)  # the bystander is stepping
+    bystander.expect("STEPPING")
     held = held_by(audited(stub))
     assert held["killed"] == held["sleeper"] == 10 and "bystander" in held
     lease_s = 1.5
@@ -313,12 +320,19 @@ def test_killed_and_stopped_clients_lose_their_pages_and_others_never_notice(
     killed.proc.send_signal(signal.SIGKILL)
     t0, t0_wall = time.monotonic(), time.time()
     try:
-        s, seen_killed = wait_for(stub, lambda s: "killed" not in held_by(s), timeout=5)
-        assert seen_killed - t0 < 1.0, f"the killed client's pages came back after {seen_killed - t0:.2f}s"
+        s, seen_killed = wait_for(stub, lambda s: "killed" not in held_by(s), timeout=30)
         if seen_killed - t0 < 0.5:  # too early for any lease to lapse: the stopped one holds on
             assert held_by(s)["sleeper"] == 10
-        s, seen_stopped = wait_for(stub, lambda s: "sleeper" not in held_by(s), timeout=lease_s + 5)
-        assert seen_stopped - t0 < lease_s + 1.0, f"the stopped client's pages came back after {seen_stopped - t0:.2f}s"
+        s, seen_stopped = wait_for(stub, lambda s: "sleeper" not in held_by(s), timeout=30)
+        # Not at once: its last keep-alive went a third of the lease before the SIGSTOP at the
+        # most (more if its process was starved; hence a third, not two thirds, here).
+        assert seen_stopped - t0 >= lease_s / 3, f"the stopped client lost its session {seen_stopped - t0:.2f}s in"
+        log = server.log()
+        killed_end = log.index("session ended name=killed ")
+        sleeper_end = log.index("session ended name=sleeper ")
+        assert killed_end < sleeper_end, log[-3000:]
+        assert "why=keep-alive stream closed" in log[killed_end:].splitlines()[0], log[killed_end:][:300]
+        assert "why=lease expired" in log[sleeper_end:].splitlines()[0], log[sleeper_end:][:300]
         assert list(held_by(s)) == ["bystander"] and s.num_open_requests == 2  # 6 request slots free again
         s = audited(stub)
         assert s.num_quarantined_pages == 10 and s.num_quarantined_sessions == 1, s

@@ -35,22 +35,21 @@ sys.stdin.readline()
 """
 
 
-def serve(tmpdir: str, drain_ms: int) -> object:
+def serve(tmpdir: str, drain_ms: int, grace_ms: int = 500) -> object:
     return start_server(
         tmpdir, "--num-pages", "65", "--page-size", "4", "--max-context", "64", "--lease-ms", "2000",
-        "--drain-ms", str(drain_ms),
+        "--drain-ms", str(drain_ms), "--shutdown-grace-ms", str(grace_ms),
     )  # fmt: skip
 
 
 def test_sessions_step_through_the_drain_and_a_detach_ends_it_early(tmpdir_short: str) -> None:
-    srv = serve(tmpdir_short, drain_ms=5000)
+    srv = serve(tmpdir_short, drain_ms=60000)  # a detach ends it: waiting it out would take a minute
     try:
         kv = KVMemClient(srv.target, name="worker")
         slots = kv.open(["r"])
         assert kv.alloc(slots, [4]).ok
-        t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while srv.health() != NOT_SERVING:
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -60,9 +59,9 @@ def test_sessions_step_through_the_drain_and_a_detach_ends_it_early(tmpdir_short
         for _ in range(20):  # the drain: the attached session goes on
             assert kv.alloc(slots, [1]).ok
         assert srv.proc.poll() is None
-        kv.close()  # the last session detaches: no need to wait out the 5 s drain
-        assert srv.proc.wait(timeout=5) == 0, srv.log()
-        assert time.monotonic() - t0 < 2.5, time.monotonic() - t0
+        kv.close()  # the last session detaches: no need to wait out the drain
+        assert srv.proc.wait(timeout=30) == 0, srv.log()
+        assert "drain over" not in srv.log(), srv.log()
         assert not os.path.exists(srv.socket_path)
     finally:
         srv.stop()
@@ -70,10 +69,16 @@ def test_sessions_step_through_the_drain_and_a_detach_ends_it_early(tmpdir_short
 
 def test_stopped_and_silent_clients_cannot_hold_the_exit_back(tmpdir_short: str) -> None:
     """A SIGSTOPped client holding a session and a keep-alive stream opened just before
-    SIGTERM: the server still exits 0 within a second of its 1 s drain; an attached
-    client that stays learns the session ended (SessionLost, UNAVAILABLE: SHUTTING_DOWN)
-    and its later calls are refused."""
-    srv = serve(tmpdir_short, drain_ms=1000)
+    SIGTERM: the server still exits 0, no later than its 1 s drain and 0.5 s grace period
+    allow; an attached client that stays learns the session ended (SessionLost,
+    UNAVAILABLE: SHUTTING_DOWN) and its later calls are refused.
+
+    The stopped client does cost the whole grace period, however long: gRPC's shutdown
+    waits for its connection, which closes only once the client answers the GOAWAY's
+    ping, until the grace period ends and gRPC cuts it (60 s with a grace of 60 s,
+    measured). Hence the bound: drain + grace, and 3 s for the process's exit on a
+    loaded host; a client that could hold the exit back would hold it for much longer."""
+    srv = serve(tmpdir_short, drain_ms=1000, grace_ms=500)
     sleeper = LineProcess("sleeper", SLEEPER, srv.target)
     try:
         sleeper.expect("READY")
@@ -86,7 +91,7 @@ def test_stopped_and_silent_clients_cannot_hold_the_exit_back(tmpdir_short: str)
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=10) == 0, srv.log()
         took = time.monotonic() - t0
-        assert took < 1.0 + 1.0, f"exit {took:.2f}s after SIGTERM with a 1 s drain"
+        assert took < 1.0 + 0.5 + 3.0, f"exit {took:.2f}s after SIGTERM with a 1 s drain and a 0.5 s grace"
         with pytest.raises((SessionLost, Unavailable)) as later:
             stays.alloc(slots, [1])
         assert later.value.code == grpc.StatusCode.UNAVAILABLE, later.value
