@@ -125,3 +125,21 @@ def test_step_profile_runs_and_times_the_handler_inside_the_server() -> None:
                   "response message"):  # fmt: skip
         line = next(line for line in out.splitlines() if phase in line)
         assert float(line.split()[-3]) > 0, line  # a median in µs, measured inside the server
+
+
+@pytest.mark.timeout(180)
+def test_shutdown_run_runs_and_no_client_sees_cancelled() -> None:
+    # Two loaded shutdowns (3 stepping clients, both modes, and a stopped one). It exits 1
+    # on a CANCELLED, UNKNOWN or INTERNAL seen by a client or a slow or failed exit.
+    report = run_bench("shutdown_run.py", "--runs", "2", "--clients", "3", timeout=170)
+    assert report["ok"] and report["runs"] == 2 and report["cancelled_unknown_internal"] == 0, report
+    assert report["steps"] > 0 and report["exit_codes"] == [0], report
+    for kind in report["seen"]:
+        assert kind["code"] == "UNAVAILABLE", kind
+
+
+@pytest.mark.timeout(120)
+def test_health_flood_runs_and_logs_no_traceback() -> None:
+    report = run_bench("health_flood.py", "--calls", "500", "--threads", "2", timeout=110)
+    assert report["ok"] and report["codes"] == {"INVALID_ARGUMENT": 500}, report
+    assert report["tracebacks"] == 0 and report["log_lines"] < 30, report

@@ -73,11 +73,11 @@ def test_stopped_and_silent_clients_cannot_hold_the_exit_back(tmpdir_short: str)
     allow; an attached client that stays learns the session ended (SessionLost,
     UNAVAILABLE: SHUTTING_DOWN) and its later calls are refused.
 
-    The stopped client does cost the whole grace period, however long: gRPC's shutdown
-    waits for its connection, which closes only once the client answers the GOAWAY's
-    ping, until the grace period ends and gRPC cuts it (60 s with a grace of 60 s,
-    measured). Hence the bound: drain + grace, and 3 s for the process's exit on a
-    loaded host; a client that could hold the exit back would hold it for much longer."""
+    The stopped client can cost the whole grace period, however long: gRPC's shutdown
+    waits for its connection, which a stopped process does not close, until the grace
+    period ends and gRPC cuts it (measured: 9.05 s with a 1 s drain and an 8 s grace,
+    60 s with a 60 s grace). Hence the bound: drain + grace, and 3 s for the process's
+    exit on a loaded host; a client that could hold the exit back would hold it longer."""
     srv = serve(tmpdir_short, drain_ms=1000, grace_ms=500)
     sleeper = LineProcess("sleeper", SLEEPER, srv.target)
     try:
