@@ -66,9 +66,8 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
     with open(log_path, "wb") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    target = {"health-port": f"127.0.0.1:{health_port}", "tcp": f"127.0.0.1:{tcp_port}", "socket": f"unix:{socket_path}"}[
-        args.on
-    ]
+    targets = {"health-port": f"127.0.0.1:{health_port}", "tcp": f"127.0.0.1:{tcp_port}"}
+    target = targets.get(args.on, f"unix:{socket_path}")
     try:
         with grpc.insecure_channel(target) as channel:
             try:
@@ -129,10 +128,11 @@ def main() -> int:
     if args.json:
         print(json.dumps(figures, indent=2))
     else:
-        print(f"{args.calls:,} malformed Health/Check bodies on {args.on} ({target}) in {took:.1f} s "
-              f"({figures['calls_per_s']:,.0f}/s): {dict(codes)}; {named[0]:,} named the method and the type")  # fmt: skip
+        rate = figures["calls_per_s"]
+        print(f"{args.calls:,} malformed Health/Check bodies on {args.on} ({target}) in {took:.1f} s ({rate:,.0f}/s): "
+              f"{dict(codes)}; {named[0]:,} named the method and the type")  # fmt: skip
         print(f"server log: {len(lines)} lines, {figures['log_bytes']:,} bytes; {len(refusal_lines)} refusal lines, "
-              f"{figures['tracebacks']} tracebacks, {figures['error_lines']} ERROR lines; exit {exit_code}")  # fmt: skip
+              f"{figures['tracebacks']} tracebacks, {figures['error_lines']} ERROR lines; exit {exit_code}")
         for line in refusal_lines:
             print("  " + line[:240])
         print("PASS" if ok else "FAIL")
