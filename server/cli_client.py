@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -87,24 +89,32 @@ def stats(args: argparse.Namespace) -> int:
         print(out, file=sys.stdout if reached else sys.stderr)
         return code
     interval = 2.0 if args.watch is None else args.watch
+    # Ctrl-C is how a watch ends (exit 0). It sets a flag rather than raising
+    # KeyboardInterrupt wherever the process is: raised inside gRPC's channel code (a
+    # refresh opens and closes a channel), it could leave the process hanging at its exit.
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: interrupted.set())
     try:
-        return _watch(args, interval, args.count, sys.stdout.isatty())
-    except KeyboardInterrupt:  # Ctrl-C is how a watch ends
-        return 0
+        return _watch(args, interval, args.count, sys.stdout.isatty(), interrupted)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 
 
-def _watch(args: argparse.Namespace, interval: float, count: int | None, tty: bool) -> int:
+def _watch(
+    args: argparse.Namespace, interval: float, count: int | None, tty: bool, interrupted: threading.Event
+) -> int:
     """Refresh every ``interval`` seconds: on a terminal, clear and redraw one screen; else
     one block after another, each under a ``# <UTC time>`` line (``--json``: one JSON
     object a line, nothing else), errors on stderr. A server that does not answer is
-    reported and asked again at the next refresh."""
+    reported and asked again at the next refresh. Once ``interrupted`` is set (Ctrl-C),
+    the refresh under way is printed and the watch ends: 0."""
     done, code = 0, 0
     while count is None or done < count:
-        if done:
-            time.sleep(interval)
+        if done and interrupted.wait(interval):
+            return 0
         out, code, reached = _snapshot(args, compact=not tty)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         if tty:
@@ -117,6 +127,8 @@ def _watch(args: argparse.Namespace, interval: float, count: int | None, tty: bo
             sys.stdout.write(f"# {stamp}\n{out}\n\n")
         sys.stdout.flush()
         done += 1
+        if interrupted.is_set():
+            return 0
     return code
 
 

@@ -251,7 +251,7 @@ def test_stats_watch_repeats_blocks_off_a_terminal_and_redraws_on_one(server: Se
             stdout=slave if name == "tty" else subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=clean_env(),
+            env=clean_env(PYTHONFAULTHANDLER="1"),  # SIGABRT dumps every thread's stack (see finish)
         )
         for name, args in (
             ("table", [*sock, "--watch", "0.1", "--count", "2"]),
@@ -269,7 +269,16 @@ def test_stats_watch_repeats_blocks_off_a_terminal_and_redraws_on_one(server: Se
     first = runs["interrupted"].stdout.readline()  # type: ignore[union-attr]
     assert first.startswith("# "), first
     runs["interrupted"].send_signal(signal.SIGINT)
-    out = {name: (p.communicate(timeout=60), p.returncode) for name, p in runs.items()}
+
+    def finish(name: str, p: subprocess.Popen[str]) -> tuple[tuple[str, str], int | None]:
+        try:
+            return p.communicate(timeout=60), p.returncode
+        except subprocess.TimeoutExpired:  # where it hangs: its threads' stacks
+            p.send_signal(signal.SIGABRT)
+            _, err = p.communicate(timeout=30)
+            raise AssertionError(f"kvmem stats ({name}) did not exit within 60 s:\n{err[-6000:]}") from None
+
+    out = {name: finish(name, p) for name, p in runs.items()}
 
     (text, err), code = out["table"]
     assert code == 0, err
