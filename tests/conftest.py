@@ -107,6 +107,24 @@ class ServerProcess:
             raise AssertionError(f"server did not exit within {timeout}s after signal {sig}:\n{self.log()}")
 
 
+def keepalive_answered_since(kv: object, since: float) -> bool:
+    """Whether a keep-alive answer came to client ``kv`` after its lease was known to
+    hold until ``since`` (``kv.lease_valid_until`` then): with no call in between, only
+    a keep-alive answer moves it."""
+    return kv.lease_valid_until > since  # type: ignore[attr-defined]
+
+
+def wait_keepalive_answered(kv: object, timeout: float = 30.0) -> None:
+    """Block until a keep-alive message of ``kv`` (a sync client) has been answered
+    (make no call meanwhile): proof that the stream works, with whatever the channel
+    carries (a token, TLS)."""
+    since = kv.lease_valid_until  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout
+    while not keepalive_answered_since(kv, since):
+        assert time.monotonic() < deadline, f"no keep-alive answer within {timeout}s"
+        time.sleep(0.02)
+
+
 def short_tmpdir() -> str:
     """A short directory: unix socket paths are limited to ~107 bytes."""
     return tempfile.mkdtemp(prefix="kvmem-", dir="/tmp")

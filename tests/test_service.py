@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from conftest import READINESS, ServerProcess, start_server
+from conftest import READINESS, ServerProcess, start_server, wait_keepalive_answered
 from google.protobuf import descriptor_pb2, json_format
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -618,7 +618,7 @@ def test_tcp_requires_bearer_token(tmpdir_short: str) -> None:
                 res = kv.alloc(kv.open(["r"]), [5])
                 assert res.ok and res.kv_loc.tolist() == tokens([1, 2], 0, 5)
                 assert [u.name for u in kv.stats(audit=True).sessions] == ["remote"]
-                time.sleep(0.3)  # the keep-alive stream carries the token too
+                wait_keepalive_answered(kv)  # the keep-alive stream carries the token too
                 assert kv.alloc([1], [1], expected_lens=[5]).ok
             assert snapshot(local) == before
     finally:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ServerProcess, start_server
+from conftest import ServerProcess, keepalive_answered_since, start_server, wait_keepalive_answered
 
 from kvmem.client import AsyncKVMemClient, KVMemClient, Unavailable
 from kvmem.client.admin import stats, watch_events
@@ -115,7 +115,7 @@ def test_sync_client_attaches_opens_and_steps_over_tls(tls_server: tuple[ServerP
         slots = kv.open(["a", "b"])
         res = kv.step(alloc_slots=slots, alloc_needs=[5, 3])
         assert res.ok and res.kv_loc_of(0).numel() == 5
-        time.sleep(1.2)  # keep-alive messages cross the TLS connection too
+        wait_keepalive_answered(kv)  # keep-alive messages cross the TLS connection too
         assert kv.step(release_slots=slots[:1]).ok
         assert [s.name for s in kv.stats().sessions] == ["tls-sync"]
     # PEM bytes, a pathlib path, and a name the certificate has instead of the host
@@ -137,7 +137,10 @@ def test_asyncio_client_attaches_opens_and_steps_over_tls(tls_server: tuple[Serv
             slots = await kv.open(["a"])
             res = await kv.step(alloc_slots=slots, alloc_needs=[6])
             assert res.ok and res.kv_loc_of(0).numel() == 6
-            await asyncio.sleep(1.2)
+            since, deadline = kv.lease_valid_until, time.monotonic() + 30
+            while not keepalive_answered_since(kv, since):  # keep-alive messages cross TLS too
+                assert time.monotonic() < deadline, "no keep-alive answer within 30 s"
+                await asyncio.sleep(0.02)
             assert (await kv.step(release_slots=slots)).ok
         started = time.monotonic()
         with pytest.raises(TLSError) as exc_info:
