@@ -1,8 +1,9 @@
 """SIGTERM (DESIGN §6): readiness NOT_SERVING and no new sessions at once; attached
 sessions go on stepping through the drain period; then the server refuses every call
 (UNAVAILABLE, SHUTTING_DOWN), ends the keep-alive streams and the sessions, and exits 0
-within a second of the drain's end, whatever its clients do. Real servers, real client
-processes, real signals."""
+within the drain and the grace period, whatever its clients do; no client sees a bare
+CANCELLED, not even for the calls gRPC itself cancels as it stops. Real servers, real
+client processes, real signals."""
 
 from __future__ import annotations
 
