@@ -172,9 +172,7 @@ sys.exit(main(sys.argv[3:]))
 def _outcome(call: Any) -> object:
     try:
         call()
-    except grpc.RpcError as err:
-        return err
-    except KVMemError as err:
+    except (grpc.RpcError, KVMemError) as err:
         return err
     return "OK"
 
