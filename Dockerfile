@@ -31,6 +31,8 @@ COPY pyproject.toml README.md LICENSE /src/
 COPY proto /src/proto
 COPY server /src/server
 COPY client /src/client
+COPY engine /src/engine
+COPY cli /src/cli
 RUN /opt/kvmem/bin/pip install --no-deps /src
 
 FROM python:${PYTHON}-slim AS runtime

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A bare gRPC echo server, the baseline ``rpc_bench.py`` measures kvmem's Step against.
 
-It is set up the way ``kvmem.server.app`` sets up the kvmem server, minus kvmem:
+It is set up the way ``kvmem.server.process.app`` sets up the kvmem server, minus kvmem:
 grpc.aio on uvloop (one event loop, one thread), the same server options, a unix
 socket born 0600, the standard health service (so readiness is awaited the same way),
 and SIGTERM/SIGINT for a clean stop. It serves two methods, bytes in and bytes out (no
@@ -40,7 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 SERVICE = "kvmem.bench.Echo"
 METHOD = f"/{SERVICE}/Echo"
 STREAM_METHOD = f"/{SERVICE}/EchoStream"
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # as kvmem.server.app
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # as kvmem.server.process.app
 
 
 def payload(request_bytes: int, reply_bytes: int) -> bytes:

@@ -58,7 +58,7 @@ class KVServer(ServerProcesses):
         self.socket = str(self.dir / "kv.sock")
         self.logs = {"kvmem": self.dir / "kvmem.log"}
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
-        cmd = [sys.executable, "-m", "kvmem.server.cli", "serve", "--socket", self.socket,
+        cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--socket", self.socket,
                "--shm-dir", str(self.dir), "--num-pages", str(num_pages), "--page-size", str(PAGE_SIZE),
                "--max-requests", str(NUM_REQ), "--max-context", str(MAX_CONTEXT), "--log-level", "warning"]  # fmt: skip
         with open(self.logs["kvmem"], "wb") as out:

@@ -64,7 +64,7 @@ from _reference import Reference, default_reference_path, load_reference  # noqa
 from _table import render  # noqa: E402
 
 from kvmem.server.core import CoreConfig, KVCore, StepBatch  # noqa: E402
-from kvmem.server.tuning import keep_freed_memory  # noqa: E402
+from kvmem.server.process.tuning import keep_freed_memory  # noqa: E402
 
 PAGE_SIZE = 16
 NUM_REQUESTS = 256

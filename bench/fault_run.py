@@ -157,7 +157,7 @@ class Server:
         self.target = f"unix:{socket_path}"
         self.log_dir = log_dir
         self.args_list = [
-            "-m", "kvmem.server.cli", "serve", "--socket", socket_path, "--device", "cpu", "--shm-dir", shm_dir,
+            "-m", "kvmem.cli", "serve", "--socket", socket_path, "--device", "cpu", "--shm-dir", shm_dir,
             "--page-size", str(args.page_size), "--num-pages", str(args.num_pages),
             "--max-requests", str(args.max_requests), "--max-context", str(args.max_context),
             "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32",

@@ -19,10 +19,10 @@
 # skipped and reported so):
 #   0. environment: torch, its CUDA, the GPU; stops here (exit 3) without a usable GPU,
 #      since everything after would only skip.                        (timeout 35 s)
-#   1. tests: tests/test_memory_cuda.py (the cuda backend: IPC handles opened in other
-#      processes, device block tables) and tests/test_service_memory.py (real servers
+#   1. tests: tests/server/test_memory_cuda.py (the cuda backend: IPC handles opened in other
+#      processes, device block tables) and tests/server/test_service_memory.py (real servers
 #      and client processes; with a GPU its --device cuda:0 two-process write/read test
-#      runs too), and tests/test_recovery.py's cuda variant (a restarted server waits
+#      runs too), and tests/server/test_recovery.py's cuda variant (a restarted server waits
 #      for device memory a client still maps through CUDA IPC). Skip reasons are
 #      printed: with one GPU only the two-GPU tensor-parallel test may skip.
 #                                                                     (timeout 125 s)
@@ -102,8 +102,8 @@ if [ "${results[0]}" != "environment: ok" ]; then
     exit 3
 fi
 
-run_part tests 125 "$PYTHON" -m pytest tests/test_memory_cuda.py tests/test_service_memory.py \
-    "tests/test_recovery.py::test_the_cuda_variant_waits_for_device_memory_clients_still_map" \
+run_part tests 125 "$PYTHON" -m pytest tests/server/test_memory_cuda.py tests/server/test_service_memory.py \
+    "tests/server/test_recovery.py::test_the_cuda_variant_waits_for_device_memory_clients_still_map" \
     -q -rs --timeout 120 -p no:cacheprovider
 run_part benchmark 55 "$PYTHON" bench/memory_bench.py --gpu-only --reps 3000 --budget 15 \
     --json "$OUT_DIR/memory_bench.json"

@@ -7,7 +7,7 @@ Starts one ``kvmem serve`` (shm, a unix socket, ``--health-port`` on a free port
 unix socket) from ``--threads`` (4) threads, as fast as they can, then stops the server
 (SIGTERM) and reads its log. Every call must be INVALID_ARGUMENT naming the method and the
 message type; the log must hold no traceback and no line per call: the refusals appear as
-a first line per kind and summaries (``kvmem.server.refusals``). It prints the answers by
+a first line per kind and summaries (``kvmem.server.edge.refusals``). It prints the answers by
 code, the log's lines and bytes, and the calls per second.
 
 Exit status 0 when every call got INVALID_ARGUMENT, the log holds no traceback and no ERROR
@@ -59,7 +59,7 @@ def main() -> int:
     socket_path, log_path = os.path.join(directory, "kvmem.sock"), os.path.join(directory, "server.log")
     health_port, tcp_port = free_port(), free_port()
     command = [
-        sys.executable, "-m", "kvmem.server.cli", "serve", "--socket", socket_path, "--num-pages", "65",
+        sys.executable, "-m", "kvmem.cli", "serve", "--socket", socket_path, "--num-pages", "65",
         "--page-size", "16", "--max-context", "256", "--shm-dir", directory,
         "--health-port", str(health_port), "--tcp", f"127.0.0.1:{tcp_port}",
     ]  # fmt: skip

@@ -33,7 +33,7 @@ timing, each memory server's first step is checked against the block table a cli
 maps (shm: the shared host table; cuda: the device copy), and scenario a checks that
 a value one client writes through its map is read by the next client's.
 
-All servers are started together as subprocesses (``python -m kvmem.server.cli serve``,
+All servers are started together as subprocesses (``python -m kvmem.cli serve``,
 KVMEM_* variables unset) with their shm files in a private directory (under
 ``--shm-dir``), and stopped with SIGTERM when the benchmark ends, fails or is
 interrupted. Exit status: 0 (a measurement, not a test) unless ``--strict`` and a
@@ -112,7 +112,7 @@ class Fleet(rb.ServerProcesses):
 
     def start(self, name: str, *args: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}  # KVMEM_DEBUG et al. unset
-        cmd = [sys.executable, "-m", "kvmem.server.cli", "serve", "--socket", self.socket(name),
+        cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--socket", self.socket(name),
                "--shm-dir", self.shm_dir, "--log-level", "warning", *args]  # fmt: skip
         log = self.dir / f"{name}.log"
         self.logs[name] = log

@@ -8,7 +8,7 @@ Scenarios (pages of 16 tokens):
                100,000 pages (chains of 16..256 pages of random tokens, one of them the
                prompt), hashing included. Timed: the server's own path for one Step with
                one match item, from the deserialised StepRequest on
-               (``kvmem.server.wire.step_batch``, then ``KVCore.step``: keys of the 256
+               (``kvmem.server.edge.wire.step_batch``, then ``KVCore.step``: keys of the 256
                pages, the index lookups, the row write, the page references). Not timed:
                the release of the slot without tokens and its re-open, which put the
                state back (the 256 pages become evictable again), so every repetition is
@@ -100,8 +100,8 @@ from _table import render  # noqa: E402
 from kvmem.server.core import CoreConfig, KVCore, StepBatch  # noqa: E402
 from kvmem.server.core.batch import TokenLists  # noqa: E402
 from kvmem.server.core.hashing import XXH3Keys  # noqa: E402
-from kvmem.server.tuning import keep_freed_memory  # noqa: E402
-from kvmem.server.wire import step_batch  # noqa: E402
+from kvmem.server.process.tuning import keep_freed_memory  # noqa: E402
+from kvmem.server.edge.wire import step_batch  # noqa: E402
 from kvmem.v1 import kvmem_pb2  # noqa: E402
 
 PAGE_SIZE = 16
@@ -435,7 +435,7 @@ def scenario_match_socket(sizes: Sizes, m: dict[str, Any], say: Callable[..., No
         def start(self) -> None:
             env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
             cmd = [
-                sys.executable, "-m", "kvmem.server.cli", "serve",
+                sys.executable, "-m", "kvmem.cli", "serve",
                 "--socket", self.kv_socket, "--device", "none",
                 "--num-pages", str(self.num_pages), "--page-size", str(PAGE_SIZE),
                 "--max-requests", str(MAX_REQUESTS), "--max-context", str(MAX_CONTEXT_LEN),

@@ -5,7 +5,7 @@ Scenarios (pages of 16 tokens; decode requests hold 100 + i % 16 tokens, so 1 in
 crosses a page boundary and takes a new page each step, as in a real decode batch):
 
 1. Round trips over unix sockets, to servers started as subprocesses: kvmem
-   (``python -m kvmem.server.cli serve``, KVMEM_DEBUG unset) and a bare echo
+   (``python -m kvmem.cli serve``, KVMEM_DEBUG unset) and a bare echo
    (``bench/_echo_server.py``: grpc.aio on uvloop, one loop, the same server and channel
    options), each contender timed as the whole client call:
 
@@ -243,7 +243,7 @@ class Servers(ServerProcesses):
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}  # KVMEM_DEBUG et al. unset
         kv_cmd = [
-            sys.executable, "-m", "kvmem.server.cli", "serve",
+            sys.executable, "-m", "kvmem.cli", "serve",
             "--socket", self.kv_socket,
             "--num-pages", str(self.num_pages),
             "--page-size", str(PAGE_SIZE),

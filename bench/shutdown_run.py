@@ -114,7 +114,7 @@ class Client:
 
 def start_server(directory: str, socket_path: str, args: argparse.Namespace, run: int) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable, "-m", "kvmem.server.cli", "serve", "--socket", socket_path, "--num-pages", "257",
+        sys.executable, "-m", "kvmem.cli", "serve", "--socket", socket_path, "--num-pages", "257",
         "--page-size", "16", "--max-context", "512", "--lease-ms", "3000", "--shm-dir", directory,
         "--drain-ms", str(args.drain_ms), "--shutdown-grace-ms", str(args.grace_ms),
     ]  # fmt: skip

@@ -53,7 +53,7 @@ STEP_UNARY = "/kvmem.v1.KVMemory/Step"
 # Run as the server under --breakdown: time the handler's phases, print medians on SIGUSR1.
 _BREAKDOWN_SERVER = r"""
 import os, signal, statistics, sys, time
-from kvmem.server import service
+from kvmem.server.edge import service
 from kvmem.server.core import alloc, kvcore
 times = {}
 def timed(owner, name, label):
@@ -79,7 +79,7 @@ def report(*_):
     os._exit(0)
 signal.signal(signal.SIGUSR1, report)
 signal.signal(signal.SIGUSR2, lambda *_: times.clear())
-from kvmem.server.cli import main
+from kvmem.cli import main
 sys.exit(main())
 """
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if k != "KVMEM_DEBUG"}
     serve = ["serve", "--socket", kv_sock, "--device", "none", "--num-pages", "8192", "--max-requests", "512"]
     cmd = [sys.executable, "-c", _BREAKDOWN_SERVER, *serve] if args.breakdown else [
-        sys.executable, "-m", "kvmem.server.cli", *serve]  # fmt: skip
+        sys.executable, "-m", "kvmem.cli", *serve]  # fmt: skip
     kv = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     echo = subprocess.Popen([sys.executable, str(BENCH_DIR / "_echo_server.py"), "--socket", echo_sock])
     client = None

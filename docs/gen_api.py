@@ -695,7 +695,7 @@ def render() -> str:
         COMMAND,
         "```",
         "",
-        f"`tests/test_api_docs.py` fails while it is stale (`{COMMAND} --check`). It documents every name of",
+        f"`tests/client/test_api_docs.py` fails while it is stale (`{COMMAND} --check`). It documents every name of",
         "`kvmem.client.__all__` and the other names their modules export in their own `__all__`. The methods of",
         "`KVMemClient` and `AsyncKVMemClient` are made from `kvmem.client.session.Session`'s (`Operation`s):",
         "shown with that method's signature less the session and its docstring; `async def` marks the asyncio",

@@ -3,7 +3,7 @@
 Capacity shortfalls are *results* (per-item statuses in a step), never exceptions. Bad
 input raises a :class:`KVMemError` whose :class:`Reason` is one of a closed set; each
 reason knows its :class:`ErrorKind`, and the service maps kinds to gRPC status codes in
-one place (``kvmem.server.service``). The core never imports gRPC.
+one place (``kvmem.server.edge.service``). The core never imports gRPC.
 """
 
 from __future__ import annotations

@@ -132,11 +132,11 @@ def short_tmpdir() -> str:
 
 def start_server(
     directory: str, *extra: str, socket_name: str = "kvmem.sock", env: dict[str, str] | None = None,
-    wait: bool = True, launcher: tuple[str, ...] = ("-m", "kvmem.server.cli"),
+    wait: bool = True, launcher: tuple[str, ...] = ("-m", "kvmem.cli"),
 ) -> ServerProcess:  # fmt: skip
     """``kvmem serve`` on ``directory``/``socket_name`` with ``extra`` options; ``launcher``
     is what follows the Python executable (a ``-c`` script that patches the server for a
-    test, then calls ``kvmem.server.cli.main``)."""
+    test, then calls ``kvmem.cli.main``)."""
     socket_path = os.path.join(directory, socket_name)
     log_path = os.path.join(directory, f"{socket_name}.log")
     args = [sys.executable, *launcher, "serve", "--socket", socket_path, *extra]

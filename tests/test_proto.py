@@ -59,7 +59,7 @@ def test_service_sends_each_reason_as_its_proto_name() -> None:
     domain kvmem.v1, with the status code of the reason's kind."""
     from google.rpc import error_details_pb2, status_pb2
     from kvmem.server.errors import KVMemError, Reason
-    from kvmem.server.service import _to_status
+    from kvmem.server.edge.service import _to_status
 
     for reason in Reason:
         status = _to_status(KVMemError(reason, f"because of {reason.name}", value=7))

@@ -2,7 +2,7 @@
 
 Both apply the reference allocator's ``alloc``: fill the last page's tail, then new
 pages, write the row, return ``need`` token slots in order. They agree with the
-simple model of ``tests/test_core_properties.py`` (a dict of lists and a free list),
+simple model of ``tests/core/test_core_properties.py`` (a dict of lists and a free list),
 which the property tests check them against, the fast path included.
 """
 

@@ -1,0 +1,100 @@
+"""Finding the server ``kvmem simulate`` runs against, or starting one for the run: a
+``kvmem serve`` child in a session of its own (a Ctrl-C of the run does not reach it),
+on a private socket, with a pool sized for the workload; stopped when the run ends."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+READINESS = "kvmem.v1.KVMemory"
+OWN_PAGE_SIZE = 16
+
+
+class UsageError(Exception):
+    """A missing prerequisite or an unusable server: one line, exit status 2."""
+
+
+def probe(target: str) -> str:
+    """``serving``, ``not-ready`` (a server answers but is not ready) or ``none``."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=READINESS), timeout=2
+            )
+        except grpc.RpcError as err:
+            return "none" if err.code() == grpc.StatusCode.UNAVAILABLE else "not-ready"
+    return "serving" if resp.status == health_pb2.HealthCheckResponse.SERVING else "not-ready"
+
+
+class OwnServer:
+    """The ``kvmem serve`` this run started (a new session: Ctrl-C does not reach it)."""
+
+    def __init__(self, argv: list[str], directory: str) -> None:
+        self.directory = directory
+        self.socket_path = os.path.join(directory, "kvmem.sock")
+        self.log_path = os.path.join(directory, "serve.log")
+        self.argv = [*argv, "--socket", self.socket_path]
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith("KVMEM_") or k in ("KVMEM_DEBUG", "KVMEM_SHM_DIR")
+        }
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvmem.cli", *self.argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self.target = f"unix:{self.socket_path}"
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise UsageError(f"the server simulate started exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if os.path.exists(self.socket_path) and probe(self.target) == "serving":
+                return
+            time.sleep(0.05)
+        raise UsageError(f"the server simulate started was not ready within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-20:]).rstrip()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return code
+
+
+def own_server_argv(args: argparse.Namespace) -> tuple[list[str], str]:
+    """``kvmem serve`` options for a pool sized for the workload: its longest request fits
+    the context, and the pool holds about half of what all workers' running requests
+    would hold without sharing (the system prompts are shared: it fits; without, it
+    would not). Returns the options and a description."""
+    ps = OWN_PAGE_SIZE
+    mean = args.shared * args.system_prompt_len + args.prompt_len + args.output_len
+    longest = 1.5 * args.system_prompt_len + 4 * (args.prompt_len + args.output_len)
+    max_context = min(max(1024, ps * math.ceil(longest / ps)), 65536)
+    demand = args.workers * args.max_running * mean / ps
+    num_pages = args.num_pages or max(4 * max_context // ps, math.ceil(0.5 * demand)) + 1
+    max_requests = args.workers * args.max_running + 16
+    sizes = f"--page-size {ps} --num-pages {num_pages} --max-requests {max_requests} --max-context {max_context}"
+    argv = ["serve", "--device", args.device, *sizes.split(), "--log-level", "warning"]
+    return argv, " ".join(["kvmem", *argv])

@@ -1,0 +1,250 @@
+"""``kvmem serve``: its options and the run (the ``kvmem`` dispatcher, :mod:`kvmem.cli`,
+imports this module only for ``serve``).
+
+Every option can also come from a ``KVMEM_*`` environment variable (the option's name in
+upper case, dashes as underscores: ``--page-size`` is ``KVMEM_PAGE_SIZE``); a
+command-line value wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from kvmem.cli.logs import LOG_FORMATS
+from kvmem.cli.options import (
+    DEFAULT_SOCKET,
+    ENV_SPEC,
+    address,
+    device,
+    integer,
+    octal,
+    one_of,
+    option,
+    switch,
+)
+from kvmem.cli.version import VersionAction
+
+
+def add_parser(sub: Any, name: str = "serve") -> None:
+    """Register ``serve`` on the ``kvmem`` command's subparsers."""
+    serve = sub.add_parser(
+        "serve",
+        help="run the server (until SIGTERM/SIGINT)",
+        description="Run the kvmem server. It listens on a unix socket (mode 0600) and, if asked, on TCP; "
+        "health is grpc.health.v1 (service '' = liveness, 'kvmem.v1.KVMemory' = readiness). "
+        "Every option can also be set from its KVMEM_* environment variable.",
+    )
+    serve.add_argument("--version", action=VersionAction)
+    listen = serve.add_argument_group("listening")
+    option(listen, "--socket", DEFAULT_SOCKET, "unix socket path to listen on; 'none' to disable")
+    option(listen, "--socket-mode", "0600", "who may connect and map the KV memory: 0600 (the server's user) or 0660 "
+         "(also its group); the socket and the shm files alike", octal)  # fmt: skip
+    option(listen, "--group", None, "with --socket-mode 0660: the group (name or number) given the socket and the shm "
+         "files, so an engine running as another user of that group can attach")  # fmt: skip
+    option(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)", address)
+    option(listen, "--auth-token", None, "bearer token TCP clients must send (required beyond loopback, with TLS "
+         "or without)")  # fmt: skip
+    option(listen, "--tls-cert", None, "PEM certificate (chain) of the --tcp port: TLS on it, with --tls-key; the "
+         "unix socket stays plaintext (mode 0600)")  # fmt: skip
+    option(listen, "--tls-key", None, "PEM private key (unencrypted) of --tls-cert")
+    option(listen, "--tls-client-ca", None, "with --tls-cert: require TCP clients to present a certificate signed by "
+         "a CA in this PEM file (mutual TLS; the bearer token is still required beyond loopback)")  # fmt: skip
+    option(
+        listen,
+        "--metrics",
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 0.0.0.0:9400; "
+        "port 0 picks a free one and logs it); no authentication, so pick the interface",
+        address,
+    )
+    option(listen, "--health-port", None, "also serve grpc.health.v1, and only it, on this TCP port of every interface "
+         "(no token: for kubelet's gRPC probes; kvmem's service stays on the socket)", integer(1))  # fmt: skip
+    pool = serve.add_argument_group("pool geometry")
+    option(pool, "--page-size", 16, "tokens per page", integer(1))
+    option(pool, "--num-pages", 4096, "pages in the pool, including the padding page 0",
+         integer(2, why=" (page 0 is padding)"))  # fmt: skip
+    option(pool, "--memory", None, "KV memory budget per device (e.g. 40GiB, 512MiB): the largest page count "
+         "that fits, after the block table; replaces --num-pages", _size)  # fmt: skip
+    option(pool, "--max-requests", 256, "request slots (concurrently open requests)", integer(1))
+    option(pool, "--max-context", 8192, "longest request, in tokens", integer(1))
+    mem = serve.add_argument_group("KV memory (the model's KV geometry and where the KV cache lives)")
+    option(mem, "--device", "cpu", "cpu (POSIX shared memory), cuda:N (one GPU, CUDA IPC) or none (no KV memory)",
+         device)  # fmt: skip
+    option(mem, "--devices", None, "comma-separated GPU indices for tensor-parallel ranks (e.g. 0,1): one KV "
+         "allocation per GPU, one page-id space; implies cuda", _devices)  # fmt: skip
+    option(mem, "--shm-dir", "/dev/shm", "directory of the shared-memory files (cpu device)")
+    option(mem, "--format", "mha", "mha (K and V per layer) or mla (one latent vector per token)", _format)
+    option(mem, "--layers", 2, "transformer layers", integer(1))
+    option(mem, "--kv-heads", 2, "KV heads per layer (mha)", integer(1))
+    option(mem, "--head-dim", 64, "head dimension (mha)", integer(1))
+    option(mem, "--kv-lora-rank", 512, "latent rank (mla)", integer(1))
+    option(mem, "--rope-dim", 64, "rotary dimension stored beside the latent (mla)", integer(0))
+    option(mem, "--dtype", "bfloat16", "KV element type: bfloat16, float16, float32 or float8_e4m3fn", _dtype)
+    sessions = serve.add_argument_group("sessions")
+    option(sessions, "--max-sessions", 1024, "sessions attached at once; one more is refused (RESOURCE_EXHAUSTED, "
+         "TOO_MANY_SESSIONS)", integer(1))  # fmt: skip
+    option(sessions, "--lease-ms", 10000, "a session that makes no call or keep-alive for this long ends",
+         integer(1, "milliseconds"))  # fmt: skip
+    option(sessions, "--quarantine-ms", None, "how long the pages of a session whose lease lapsed while it was still "
+         "connected stay out of use, unless its connection closes first (a stopped process may wake up and write "
+         "into them); none: six leases", integer(0, "milliseconds"))  # fmt: skip
+    option(sessions, "--drain-ms", 1000, "after SIGTERM (readiness NOT_SERVING, no new sessions), how long attached "
+         "sessions may go on stepping before the server ends them; it stops sooner once all have detached",
+         integer(0, "milliseconds"))  # fmt: skip
+    option(sessions, "--shutdown-grace-ms", 500, "after the drain, how long calls still in flight may run before they "
+         "are cancelled", integer(0, "milliseconds"))  # fmt: skip
+    option(pool, "--start-timeout-ms", 120000, "while the pool's memory is held elsewhere (a crashed server's "
+         "allocation that clients still map), how long to wait for it, live but not ready, before giving up",
+         integer(0, "milliseconds"))  # fmt: skip
+    _add_prefix_options(serve)
+    option(serve, "--log-level", "info", "debug, info, warning or error", one_of("debug", "info", "warning", "error"))
+    option(serve, "--log-format", "text", "text (one line a record) or json (one JSON object a line: ts, level, "
+         "logger, message, exception)", one_of(*LOG_FORMATS))  # fmt: skip
+    debug = serve.add_argument(
+        "--debug-audit",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="run the full pool audit (O(pool)) after every step; a broken invariant fails the call as "
+        "INTERNAL: for tests and debugging, not production (default: off; env KVMEM_DEBUG)",
+    )
+    setattr(debug, ENV_SPEC, ("KVMEM_DEBUG", False, switch))
+
+
+PREFIX_HASHES = ("xxh3-128", "vllm-sha256-cbor")  # kvmem.server.core.hashing.RECIPES (not imported for --help)
+
+
+def _add_prefix_options(serve: argparse.ArgumentParser) -> None:
+    prefix = serve.add_argument_group(
+        "prefix cache and KV events",
+        "Full pages of released (and cached) requests stay in the pool, keyed by their tokens, until an alloc "
+        "needs the pages; sessions of one cache namespace (Attach) share them. KV-aware routers follow what is "
+        "cached through WatchEvents, or through the same events in vLLM's ZMQ format.",
+    )
+    off = prefix.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="turn the prefix cache off: release and cache items cache nothing, match items match nothing "
+        "(default: the cache is on; env KVMEM_NO_PREFIX_CACHE)",
+    )
+    setattr(off, ENV_SPEC, ("KVMEM_NO_PREFIX_CACHE", False, switch))
+    option(prefix, "--prefix-hash", "xxh3-128", "how a page's key is computed from its parent's key, its tokens and "
+         "the namespace: xxh3-128 (fast) or vllm-sha256-cbor (vLLM's sha256_cbor block hashes, about 30x slower: "
+         "use it when a router recomputes vLLM's keys from a request's tokens, e.g. llm-d)",
+         one_of(*PREFIX_HASHES))  # fmt: skip
+    option(prefix, "--prefix-hash-seed", None, "vllm-sha256-cbor only: the PYTHONHASHSEED of the vLLM deployment "
+         "whose keys to equal (vLLM seeds its first block's parent with it)")  # fmt: skip
+    option(prefix, "--kv-events-buffer", 4096, "event batches (one per step that changed the cache) kept for replay: "
+         "a watcher that falls further behind gets a snapshot instead; also the ZMQ replay buffer",
+         integer(1, "batches"))  # fmt: skip
+    option(prefix, "--kv-events-zmq", None, "also publish the events in vLLM's KV-event format (msgpack batches "
+         "of BlockStored, BlockRemoved, AllBlocksCleared) on this ZMQ PUB endpoint, e.g. tcp://*:5557, so routers "
+         "that read vLLM's events (llm-d, Dynamo) need no change; needs pip install 'kvmem[events]'")  # fmt: skip
+    option(prefix, "--kv-events-replay", None, "with --kv-events-zmq: the ZMQ ROUTER endpoint that replays "
+         "buffered batches from a sequence number, e.g. tcp://*:5558")  # fmt: skip
+    option(prefix, "--kv-events-topic", None, "with --kv-events-zmq: the topic of the published messages (the "
+         "first frame of each; none: empty, which every subscriber receives)")  # fmt: skip
+
+
+def _size(raw: str) -> str:
+    """``--memory``: a positive size such as 40GiB (kept as text; the server sizes the pool)."""
+    from kvmem.server.memory.geometry import GeometryError, parse_size
+
+    example = "a size such as 40GiB, 512MiB, 1.5G or 123 (bytes)"
+    if raw.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must not be negative: {example}, got {raw!r}")
+    try:
+        value = parse_size(raw)
+    except GeometryError:
+        raise argparse.ArgumentTypeError(f"must be {example}, got {raw!r}") from None
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {raw!r}")
+    return raw
+
+
+def _devices(raw: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in raw.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"must be comma-separated GPU indices such as 0,1, got {raw!r}")
+    if len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(f"lists a GPU twice: {raw!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _format(raw: str) -> str:
+    from kvmem.server.memory.geometry import FORMATS
+
+    return one_of(*FORMATS)(raw)
+
+
+def _dtype(raw: str) -> str:
+    from kvmem.server.memory.geometry import DTYPES
+
+    if raw not in DTYPES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)}, got {raw!r}")
+    return raw
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvmem serve`` with the parsed options; never returns (the process exits with
+    the server's status)."""
+    from kvmem.cli.version import runtime, version
+    from kvmem.server.process.app import serve
+    from kvmem.server.process.startup import ServerConfig
+
+    logging.getLogger("kvmem.server").info("kvmem %s (%s)", version(), runtime())
+
+    socket_path = None if args.socket in ("", "none") else args.socket
+    config = ServerConfig(
+        socket_path=socket_path,
+        socket_mode=octal(args.socket_mode) if isinstance(args.socket_mode, str) else args.socket_mode,
+        access_group=args.group,
+        tcp=args.tcp,
+        metrics=args.metrics,
+        health_port=args.health_port,
+        auth_token=args.auth_token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        lease_s=args.lease_ms / 1000,
+        max_sessions=args.max_sessions,
+        quarantine_s=None if args.quarantine_ms is None else args.quarantine_ms / 1000,
+        drain_s=args.drain_ms / 1000,
+        shutdown_grace_s=args.shutdown_grace_ms / 1000,
+        start_timeout_s=args.start_timeout_ms / 1000,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_requests=args.max_requests,
+        max_context_len=args.max_context,
+        memory=args.memory,
+        device=args.device,
+        devices=args.devices or (),
+        shm_dir=args.shm_dir,
+        kv_format=args.format,
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        kv_lora_rank=args.kv_lora_rank,
+        rope_dim=args.rope_dim,
+        dtype=args.dtype,
+        audit_every_step=args.debug_audit,
+        prefix_cache=not args.no_prefix_cache,
+        prefix_hash=args.prefix_hash,
+        prefix_hash_seed=args.prefix_hash_seed,
+        kv_events_buffer=args.kv_events_buffer,
+        kv_events_zmq=args.kv_events_zmq,
+        kv_events_replay=args.kv_events_replay,
+        kv_events_topic=args.kv_events_topic or "",
+    )
+    code = serve(config)
+    # The server has stopped and freed everything; the interpreter's own teardown (torch's
+    # above all) took seconds on a loaded host, past the exit a SIGTERM is promised. Skip
+    # it: flush what was written, then leave.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,236 @@
+"""The house's rules: which application may import which, checked in the source (every
+import a module names, lazy ones inside functions included) and in fresh interpreters
+where the forbidden packages cannot be imported at all; and the size rule that keeps
+modules readable.
+
+The applications and the one direction their dependencies point:
+
+* ``kvmem.server`` (the sidecar) imports neither the client nor the engine;
+* ``kvmem.client`` (the library schedulers import) imports nothing of the server or the
+  engine;
+* ``kvmem.engine`` (schedulers, ``kvmem simulate``) imports the client, never the
+  server (it starts one as a process: ``python -m kvmem.cli serve``);
+* ``kvmem.cli`` (the ``kvmem`` dispatcher and the option machinery the subcommands
+  share) names none of them; it imports the chosen subcommand's module by name;
+* ``kvmem.v1`` (the generated wire contract) is shared by all.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = {"kvmem.server": "server", "kvmem.client": "client", "kvmem.engine": "engine", "kvmem.cli": "cli"}
+MAY_IMPORT = {
+    "kvmem.server": ("kvmem.server", "kvmem.cli", "kvmem.v1"),
+    "kvmem.client": ("kvmem.client", "kvmem.cli", "kvmem.v1"),
+    "kvmem.engine": ("kvmem.engine", "kvmem.client", "kvmem.cli", "kvmem.v1"),
+    "kvmem.cli": ("kvmem.cli",),
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    """``server/edge/service.py`` -> ``kvmem.server.edge.service`` (a package: its name)."""
+    folder = path.relative_to(ROOT).parts[0]
+    package = next(name for name, where in PACKAGES.items() if where == folder)
+    rest = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+    if rest[-1] == "__init__":
+        rest.pop()
+    return ".".join([package, *rest])
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every kvmem module a file imports by name, anywhere in it (relative imports
+    resolved against the file's package)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                names.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                names.add(node.module)
+    return {n for n in names if n == "kvmem" or n.startswith("kvmem.")}
+
+
+def _modules_under(folder: str) -> list[pathlib.Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def _hand_written() -> list[pathlib.Path]:
+    return [p for folder in PACKAGES.values() for p in _modules_under(folder)]
+
+
+@pytest.mark.parametrize("path", _hand_written(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_application_imports_only_what_its_layer_may(path: pathlib.Path) -> None:
+    package = next(name for name, where in PACKAGES.items() if where == path.relative_to(ROOT).parts[0])
+    allowed = MAY_IMPORT[package]
+    bad = sorted(n for n in _imports(path) if n != "kvmem" and not n.startswith(allowed))
+    assert not bad, f"{path.relative_to(ROOT)} ({package}) imports {bad}; it may import only {allowed}"
+
+
+@pytest.mark.parametrize("path", _modules_under("server/core"), ids=lambda p: p.name)
+def test_the_core_names_no_grpc_torch_proto_or_outer_layer(path: pathlib.Path) -> None:
+    banned = ("grpc", "torch", "google", "kvmem.v1", "kvmem.client", "kvmem.server.memory", "kvmem.server.sessions",
+              "kvmem.server.edge", "kvmem.server.process", "kvmem.server.observe", "kvmem.cli")  # fmt: skip
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    bad = sorted(n for n in names if n.startswith(banned))
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_dispatcher_routes_each_command_to_its_application() -> None:
+    from kvmem.cli import COMMANDS
+
+    owners = {name: module.split(".")[1] for name, (module, _) in COMMANDS.items()}
+    assert owners == {"serve": "server", "health": "client", "stats": "client", "simulate": "engine"}
+
+
+# A fresh interpreter in which the named packages cannot be imported at all (a meta path
+# finder refuses them before any other finder looks), so a lazy import that the source
+# rule above missed would fail here.
+BLOCKER = """
+import importlib.abc, sys
+BLOCKED = {blocked!r}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError(f"{{name}} is blocked in this test")
+        return None
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _python(blocked: tuple[str, ...], code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    source = BLOCKER.format(blocked=blocked) + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=timeout)
+
+
+def _importable(folder: str) -> list[str]:
+    names = [_module_name(p) for p in _modules_under(folder)]
+    return [n for n in names if not n.endswith(".__main__") and n != "kvmem.server.memory.cuda"]
+
+
+def test_every_server_module_imports_without_the_client_or_the_engine() -> None:
+    run = _python(
+        ("kvmem.client", "kvmem.engine"),
+        f"""
+        import importlib
+        for name in {_importable("server")!r}:
+            importlib.import_module(name)
+        from kvmem.cli import build_parser
+        build_parser("serve").parse_args(["serve", "--help"])
+        """,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "usage: kvmem serve" in run.stdout
+
+
+def test_every_client_module_imports_without_the_server_or_the_engine() -> None:
+    run = _python(
+        ("kvmem.server", "kvmem.engine"),
+        f"""
+        import importlib
+        for name in {_importable("client")!r}:
+            importlib.import_module(name)
+        from kvmem.cli import build_parser
+        build_parser("stats").parse_args(["stats", "--json"])
+        """,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_every_engine_module_imports_without_the_server() -> None:
+    run = _python(
+        ("kvmem.server",),
+        f"""
+        import importlib
+        for name in {_importable("engine")!r}:
+            importlib.import_module(name)
+        from kvmem.cli import build_parser
+        build_parser("simulate").parse_args(["simulate", "--workers", "2"])
+        """,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_kvmem_help_loads_no_application() -> None:
+    run = _python(
+        (),
+        """
+        import contextlib, io, sys
+        from kvmem.cli import main
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+            main(["--help"])
+        print(sorted(m for m in sys.modules if m.startswith(("kvmem.server", "kvmem.client", "kvmem.engine"))))
+        """,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[]", run.stdout
+
+
+def test_kvmem_serve_runs_without_the_client_or_the_engine(tmp_path: pathlib.Path) -> None:
+    """The sidecar needs no client code: a real ``kvmem serve`` in an interpreter where
+    kvmem.client and kvmem.engine cannot be imported comes up, answers a health check and
+    stops cleanly on SIGTERM."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    sock = tmp_path / "kvmem.sock"
+    code = BLOCKER.format(blocked=("kvmem.client", "kvmem.engine")) + (
+        "import sys\nfrom kvmem.cli import main\n"
+        f"sys.exit(main(['serve', '--socket', {str(sock)!r}, '--num-pages', '65', '--max-context', '512', '--shm-dir', {str(tmp_path)!r}]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        status = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if sock.exists():
+                with grpc.insecure_channel(f"unix:{sock}") as channel:
+                    try:
+                        answer = health_pb2_grpc.HealthStub(channel).Check(
+                            health_pb2.HealthCheckRequest(service="kvmem.v1.KVMemory"), timeout=5
+                        )
+                        status = answer.status
+                    except grpc.RpcError:
+                        status = None
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            time.sleep(0.05)
+        assert status == health_pb2.HealthCheckResponse.SERVING, proc.stderr.read() if proc.poll() is not None else ""
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        assert "is blocked in this test" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_no_hand_written_module_over_450_lines() -> None:
+    long = []
+    for path in _hand_written():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > 450:
+            long.append(f"{path.relative_to(ROOT)}: {lines}")
+    assert not long, long
