@@ -1,7 +1,9 @@
 """Allocation: the general path (any items, per-item results) and the decode fast path.
 
 Both apply the reference allocator's ``alloc``: fill the last page's tail, then new
-pages, write the row, return ``need`` token slots in order. They agree with the
+pages, write the row, return ``need`` token slots in order. They plan (which items are
+served, which columns get new pages) and leave the change to
+:meth:`RequestTable.grow <kvmem.server.core.slots.RequestTable.grow>`. They agree with the
 simple model of ``tests/core/test_core_properties.py`` (a dict of lists and a free list),
 which the property tests check them against, the fast path included.
 """
@@ -10,11 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvmem.server.core.batch import NO_EXPECTATION, NO_INT32, AllocStatus, StepResult, frozen, no_allocs
+from kvmem.server.core.batch import NO_EXPECTATION, NO_INT32, NO_STATUS, ZERO_OFFSETS, AllocStatus, frozen
 from kvmem.server.core.config import INT32_MAX, CoreConfig
 from kvmem.server.core.pool import PagePool
-from kvmem.server.core.slots import Owner, RequestSlots
+from kvmem.server.core.slots import Owner, RequestTable
 from kvmem.server.core.table import BlockTable, segments
+
+# What a step's allocs give its result: alloc_status, kv_loc, kv_loc_offsets, new_pages,
+# new_page_offsets (the first five fields of StepResult) and num_refused. A tuple: the
+# decode path builds one per step.
+Allocs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
+NO_ALLOCS: Allocs = (NO_STATUS, NO_INT32, ZERO_OFFSETS, NO_INT32, ZERO_OFFSETS, 0)
 
 
 def _admit(cnt: np.ndarray, too_long: np.ndarray, pool_left: int, quota_left: int | None) -> np.ndarray:
@@ -38,12 +46,12 @@ def _admit(cnt: np.ndarray, too_long: np.ndarray, pool_left: int, quota_left: in
 
 
 class Allocator:
-    """Allocs of one step over the pool, the table and the slots. Changes only
-    ``slots.alloced``, the table, the pool (through ``take``) and the owner's
-    ``num_pages_held``."""
+    """Allocs of one step over the pool, the table and the request table: it reads
+    them, and changes them only through :meth:`RequestTable.grow`. Each call returns
+    the step's :data:`Allocs`."""
 
-    def __init__(self, config: CoreConfig, pool: PagePool, table: BlockTable, slots: RequestSlots) -> None:
-        self.pool, self.table, self.slots = pool, table, slots
+    def __init__(self, config: CoreConfig, pool: PagePool, table: BlockTable, requests: RequestTable) -> None:
+        self.pool, self.table, self.requests = pool, table, requests
         self.max_context_len = config.max_context_len
         self._ctx_limit = min(config.max_context_len, INT32_MAX)
         n = config.max_requests + 3
@@ -51,15 +59,18 @@ class Allocator:
         self._zeros32 = frozen(np.zeros(n, dtype=np.int32))  # decode page offsets, no page taken
         self._zeros8 = frozen(np.zeros(n, dtype=np.int8))  # decode status: all OK
         self._ones_bytes = np.ones(n, dtype=np.int64).tobytes()  # decode needs, as bytes
+        # By batch size n: views of the three above cut to n or n + 1, made once (a
+        # dict lookup is a seventh of two slicings, paid on every decode step).
+        self._decode_views: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def alloc(
         self, state: Owner, slots: np.ndarray, need: np.ndarray, cur: np.ndarray, atomic: bool, quota: int | None
-    ) -> StepResult:
+    ) -> Allocs:
         """The general path: any valid items (``cur``: each slot's length before its
         alloc). O(n + T + P); a loop over items only when something does not fit."""
         n = slots.size
         if n == 0:
-            return no_allocs()
+            return NO_ALLOCS
         table = self.table
         end = cur + need
         have = table.num_pages_for(cur)
@@ -82,30 +93,25 @@ class Allocator:
             refused = n - int(np.count_nonzero(ok))
             cnt, need, end = np.where(ok, cnt, 0), np.where(ok, need, 0), np.where(ok, end, cur)
             total = int(cnt.sum())
-        pages = self._write_pages(slots, have, cnt, total)
-        self.slots.alloced[slots] = end
-        state.num_pages_held += total
+        pages = self.requests.grow(state, slots, end, self._new_columns(slots, have, cnt, total), total)
         kv_loc = self._kv_loc(slots, cur, end, need)
         kv_off = np.zeros(n + 1, dtype=np.int32)
         kv_off[1:] = np.cumsum(need)  # cumsum into an int32 slice is several times slower
         page_off = np.zeros(n + 1, dtype=np.int32)
         page_off[1:] = np.cumsum(cnt)
-        return StepResult(status, kv_loc, kv_off, pages, page_off, 0, refused)
+        return status, kv_loc, kv_off, pages, page_off, refused
 
-    def _write_pages(self, slots: np.ndarray, have: np.ndarray, cnt: np.ndarray, total: int) -> np.ndarray:
-        """Take ``total`` pages and write them into columns ``have .. have+cnt-1``."""
+    def _new_columns(self, slots: np.ndarray, have: np.ndarray, cnt: np.ndarray, total: int) -> np.ndarray:
+        """The flat block-table positions of the ``total`` new pages: columns ``have ..
+        have+cnt-1`` of each slot's row, in item order."""
         if not total:
-            return self.pool.take(0)
+            return NO_INT32
         width = self.table.width
         if total == np.count_nonzero(cnt):  # at most one new page per item (decode)
             mask = cnt > 0
-            where = slots[mask] * width + have[mask]
-        else:
-            item, cols = segments(have, cnt)
-            where = slots[item] * width + cols
-        pages = self.pool.take(total)
-        self.table.flat[where] = pages
-        return pages
+            return slots[mask] * width + have[mask]
+        item, cols = segments(have, cnt)
+        return slots[item] * width + cols
 
     def _kv_loc(self, slots: np.ndarray, cur: np.ndarray, end: np.ndarray, need: np.ndarray) -> np.ndarray:
         """The tokens ``[cur, end)`` of each item, through its (updated) row."""
@@ -120,7 +126,7 @@ class Allocator:
 
     def decode(
         self, state: Owner, slots: np.ndarray, need: np.ndarray, expected: np.ndarray | None, quota: int | None
-    ) -> StepResult | None:
+    ) -> Allocs | None:
         """A step of allocs only, one token each, every item valid and served: a
         decode step, the one a server makes most. It validates and applies in about
         25 array operations instead of the general path's 35 (a step arrives with the
@@ -128,7 +134,7 @@ class Allocator:
         Returns None, having changed nothing, when anything is off (a bad or
         duplicate slot, a need other than 1, an expectation not met, the pool or the
         quota short, the context limit): the general path then decides, raises or
-        answers per item. Its results are those of :meth:`alloc` on the same input
+        answers per item. Its allocs are those of :meth:`alloc` on the same input
         (the property tests check both against one model). O(n).
 
         An item opens a new page exactly when its length is page-aligned; its token
@@ -137,9 +143,10 @@ class Allocator:
         n = slots.size
         # Comparing bytes and reading the longest length (argmax) cost half of a
         # comparison plus a count each.
-        if not self._ones_bytes.startswith(need.tobytes()) or not self.slots.all_mine(state, slots):
+        requests = self.requests
+        if not self._ones_bytes.startswith(need.tobytes()) or not requests.all_mine(state, slots):
             return None
-        cur = self.slots.alloced[slots]
+        cur = requests.alloced[slots]
         if expected is not None:
             wrong = expected != cur
             if np.count_nonzero(wrong) and np.count_nonzero(expected[wrong] != NO_EXPECTATION):
@@ -156,18 +163,22 @@ class Allocator:
         total = int(np.count_nonzero(grow))
         if total > self.pool.num_available or (quota is not None and total > quota - state.num_pages_held):
             return None
+        status, kv_off, no_pages = self._decode_views.get(n) or self._views(n)
         pos = slots * table.width + col  # flat block-table entries
         page = table.flat.take(pos)  # int32: the page each token lands in (0 where a new one goes)
         if total:
-            pages = self.pool.take(total)
+            pages = requests.grow(state, slots, cur + 1, pos[grow], total)
             page[grow] = pages
-            table.flat[pos[grow]] = pages
             page_off = np.zeros(n + 1, dtype=np.int32)
             np.add.accumulate(grow, dtype=np.int32, out=page_off[1:])  # half np.cumsum's cost
-            state.num_pages_held += total
         else:
-            pages, page_off = NO_INT32, self._zeros32[: n + 1]
-        self.slots.alloced[slots] = cur + 1
+            pages, page_off = requests.grow(state, slots, cur + 1, pos, 0), no_pages
         kv_loc = page * ps
         kv_loc += rem  # int32 throughout
-        return StepResult(self._zeros8[:n], kv_loc, self._ramp[: n + 1], pages, page_off, 0)
+        return status, kv_loc, kv_off, pages, page_off, 0
+
+    def _views(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The decode's constant columns for ``n`` items, read-only: statuses (all OK),
+        kv_loc offsets (``0..n``) and page offsets with no page taken (zeros)."""
+        views = self._decode_views[n] = (self._zeros8[:n], self._ramp[: n + 1], self._zeros32[: n + 1])
+        return views

@@ -12,7 +12,7 @@ import numpy as np
 from kvmem.server.core.config import AuditReport, CoreConfig
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.prefix import PrefixCache
-from kvmem.server.core.slots import RequestSlots
+from kvmem.server.core.slots import RequestTable
 from kvmem.server.core.table import BlockTable
 
 
@@ -20,7 +20,7 @@ def audit(
     config: CoreConfig,
     pool: PagePool,
     table: BlockTable,
-    slots: RequestSlots,
+    slots: RequestTable,
     quarantine: dict[int, list[np.ndarray]],
     cache: PrefixCache,
 ) -> AuditReport:
@@ -111,7 +111,7 @@ def _audit_pages(config: CoreConfig, pool: PagePool, in_quarantine: np.ndarray, 
 
 
 def _audit_table(
-    config: CoreConfig, pool: PagePool, table: BlockTable, slots: RequestSlots, have: np.ndarray, problems: list[str]
+    config: CoreConfig, pool: PagePool, table: BlockTable, slots: RequestTable, have: np.ndarray, problems: list[str]
 ) -> None:
     """Rows against lengths, and the pages they hold against the reference counts."""
     bt = table.array
@@ -132,7 +132,7 @@ def _audit_table(
         problems.append(f"ref_cnt differs from block-table references on pages {diff.tolist()[:16]}")
 
 
-def _audit_owners(slots: RequestSlots, have: np.ndarray, problems: list[str]) -> None:
+def _audit_owners(slots: RequestTable, have: np.ndarray, problems: list[str]) -> None:
     """Per-owner totals against the slots and rows they own."""
     for o in slots.owners.values():
         mine = slots.slots_of(o)
@@ -156,7 +156,7 @@ def _audit_owners(slots: RequestSlots, have: np.ndarray, problems: list[str]) ->
         problems.append(f"closed request slots keep a request id: {kept.tolist()[:16]}")
 
 
-def _audit_free_slots(config: CoreConfig, slots: RequestSlots, problems: list[str]) -> None:
+def _audit_free_slots(config: CoreConfig, slots: RequestTable, problems: list[str]) -> None:
     """The free slot stack holds only closed, distinct slots in range."""
     owned = slots.owner_of[1 : config.max_requests + 1]
     if slots.num_free + int(np.count_nonzero(owned)) != config.max_requests:

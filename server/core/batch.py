@@ -285,10 +285,6 @@ class StepResult:
     )  # slots whose rows matches and cache items rewrote (int64 or int32)
 
 
-def no_allocs(num_pages_released: int = 0) -> StepResult:
-    return StepResult(NO_STATUS, NO_INT32, ZERO_OFFSETS, NO_INT32, ZERO_OFFSETS, num_pages_released)
-
-
 def raise_first(bad: np.ndarray, error: Callable[[int], KVMemError]) -> None:
     """The one "first offending item" rule: raise ``error(i)`` for the first ``i``
     where ``bad`` holds; nothing (one count) when no item is bad. O(n)."""

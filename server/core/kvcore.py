@@ -8,21 +8,28 @@ import numpy as np
 
 from kvmem.server.core import prefix_step
 from kvmem.server.core import step as steps
-from kvmem.server.core.alloc import Allocator
+from kvmem.server.core.alloc import NO_ALLOCS, Allocator
 from kvmem.server.core.audit import audit
-from kvmem.server.core.batch import NO_INT32, StepBatch, StepResult, no_allocs
+from kvmem.server.core.batch import NO_INT32, StepBatch, StepResult
 from kvmem.server.core.config import AuditReport, CoreConfig, OwnerId, OwnerUsage, PoolStats
 from kvmem.server.core.events import AllCleared, CacheEvent
 from kvmem.server.core.hashing import PageKeys, XXH3Keys
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.prefix import PrefixCache
-from kvmem.server.core.slots import Owner, RequestSlots
+from kvmem.server.core.slots import RequestTable
 from kvmem.server.core.table import BlockTable
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
 
 
 class KVCore:
     """Request slots, block table and per-owner accounting over a :class:`PagePool`.
+
+    Each invariant has one owner that alone changes its state: the :class:`PagePool`
+    (``pool``) the reference counts and the free stack, the
+    :class:`~kvmem.server.core.slots.RequestTable` (``slots``) the rows, lengths, slot
+    owners and per-owner accounting, the :class:`PrefixCache` (``cache``) its keys and
+    evictable queue. The step, alloc and prefix modules plan; they call the owners to
+    change anything.
 
     Owners are small integers (:meth:`add_owner`); who they are (sessions, names,
     leases, quotas) is the sessions layer's business. Not thread-safe: the server calls
@@ -58,9 +65,9 @@ class KVCore:
         if prefix_cache:
             self.pool.cache = self.cache
         self.event_sink = event_sink
-        self.table = BlockTable(config, self.pool, block_table)
+        self.table = BlockTable(config, block_table)
         self.block_table = self.table.array
-        self.slots = RequestSlots(config.max_requests)
+        self.slots = RequestTable(config.max_requests, self.table, self.pool)
         self._allocator = Allocator(config, self.pool, self.table, self.slots)
         self.audit_every_step = audit_every_step
         # Pages of removed owners that no one may take yet, by owner (see remove_owner).
@@ -87,15 +94,12 @@ class KVCore:
         they are held for ``owner`` (its process may still write into them) until
         :meth:`release_quarantine`. O(its requests + their pages). Returns the number of
         requests."""
-        state = self.slots.owner(owner)
-        open_slots = self.slots.slots_of(state)
         hold: list[np.ndarray] | None = [] if quarantine else None
-        steps.release(self.slots, self.table, state, open_slots, hold)
-        del self.slots.owners[owner]
+        released = self.slots.remove_owner(self.slots.owner(owner), hold)
         if hold:
             self._quarantine[owner] = hold
         self._finish()
-        return int(open_slots.size)
+        return released
 
     def quarantined_pages(self, owner: int) -> int:
         """Pages held in ``owner``'s quarantine (0 if none). O(its arrays)."""
@@ -139,65 +143,71 @@ class KVCore:
         alloc is applied unless all are OK. ``quota_pages`` caps the pages the owner
         may hold after the step (None: no cap).
 
+        Validate, then apply each kind of item in order (its module plans it from the
+        state the earlier ones left, the owners change it), then build the result, once.
+
         Cost: O(n + T + P) numpy work, vectorised across the items; a Python loop over
         items only when the pool or the quota runs short (never over tokens).
         """
-        state = self.slots.owner(owner)
+        requests = self.slots
+        state = requests.owner(owner)
         batch.check_lengths(self.config.max_requests)
         rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
         cache = self.cache
         evictions, inserted = cache.num_evictions, cache.num_inserted
         prefix = batch.has_prefix_items
         if al.size and not rel.size and not tr.size and not prefix:
+            # The decode fast path validates, plans and applies in one pass, or
+            # changes nothing and leaves the step to the general path.
             fast = self._allocator.decode(state, al, batch.alloc_needs, batch.expectations(), quota_pages)
             if fast is not None:
-                if cache.num_evictions != evictions:
-                    self._count_evictions(state, fast, evictions)
+                evicted = cache.num_evictions - evictions
+                if evicted:
+                    requests.count_evictions(state, evicted)
+                status, kv_loc, kv_off, pages, page_off, _ = fast
+                # nothing released or refused; no match, cache switch, insert or row change
+                result = StepResult(
+                    status, kv_loc, kv_off, pages, page_off, 0, 0, NO_INT32, NO_INT32, 0, evicted, NO_INT32
+                )  # fmt: skip
                 self._finish()
-                return fast
+                return result
+        # validate: every item, before anything changes
         ms = batch.match_slots
-        cur = steps.validate(self.slots, state, batch)
+        cur = steps.validate(requests, state, batch)
         plan = None
         if prefix or (tr.size and cache.enabled and cache.num_entries):
-            plan = prefix_step.validate(cache, self.slots, self.table, state, batch)
-        dropped = 0
+            plan = prefix_step.validate(cache, requests, state, batch)
+        # apply, in the step's order
+        released = 0
         if rel.size:
             if plan is not None and plan.release_keys:
-                prefix_step.insert_released(cache, self.pool, self.table, batch, plan, state.namespace)
-            dropped += steps.release(self.slots, self.table, state, rel)
+                prefix_step.insert_released(cache, requests, batch, plan, state.namespace)
+            released += requests.release(state, rel)
         if tr.size:
-            dropped += steps.truncate(self.slots, self.table, state, tr, batch.truncate_lens)
+            released += requests.truncate(state, tr, batch.truncate_lens)
         switched, changed = NO_INT32, list[int]()
         if plan is not None and batch.cache_slots.size:
-            switched, changed = prefix_step.cache_rows(cache, self.pool, self.table, batch, plan, state.namespace)
+            switched, changed = prefix_step.cache_rows(cache, requests, batch, plan, state.namespace)
         lens, needs = NO_INT32, batch.alloc_needs
         if ms.size:
-            lens = prefix_step.match(
-                cache, self.pool, self.table, self.slots, state, batch, quota_pages, self.config.max_context_len
-            )
+            lens = prefix_step.match(cache, requests, state, batch, quota_pages, self.config.max_context_len)
             if cur is not None:
-                cur = self.slots.alloced[al]  # matched slots start where their match ended
-                needs = prefix_step.remainders(self.slots, batch, lens)
-        if cur is None:
-            result = no_allocs(dropped)
-        else:
-            result = self._allocator.alloc(state, al, needs, cur, batch.atomic, quota_pages)
-            result.num_pages_released = dropped
-        if prefix:
-            result.match_lens, result.cache_switched = lens, switched
-            result.num_pages_cached = cache.num_inserted - inserted
-            if changed or lens.size:
-                rows = [np.array(changed, dtype=np.int64), ms[lens > 0]]
-                result.changed_rows = np.concatenate(rows)
-        if cache.num_evictions != evictions:
-            self._count_evictions(state, result, evictions)
+                cur = requests.alloced[al]  # matched slots start where their match ended
+                needs = prefix_step.remainders(requests, batch, lens)
+        allocs = NO_ALLOCS if cur is None else self._allocator.alloc(state, al, needs, cur, batch.atomic, quota_pages)
+        evicted = cache.num_evictions - evictions
+        if evicted:
+            requests.count_evictions(state, evicted)
+        changed_rows = NO_INT32
+        if changed or lens.size:
+            changed_rows = np.concatenate([np.array(changed, dtype=np.int64), ms[lens > 0]])
+        status, kv_loc, kv_off, pages, page_off, refused = allocs
+        result = StepResult(
+            status, kv_loc, kv_off, pages, page_off, released, refused, lens, switched,
+            cache.num_inserted - inserted, evicted, changed_rows,
+        )  # fmt: skip
         self._finish()
         return result
-
-    def _count_evictions(self, state: Owner, result: StepResult, before: int) -> None:
-        evicted = self.cache.num_evictions - before
-        result.num_pages_evicted = evicted
-        state.num_evictions += evicted
 
     # ------------------------------------------------------------- inspection
 

@@ -34,8 +34,8 @@ from kvmem.server.core.hashing import PageKeys
 
 class PrefixCache:
     """Keys and the evictable queue for pages ``[1, num_pages)``. The pool calls
-    :meth:`push_evictable`, :meth:`unevict` and :meth:`evict`; the step code
-    :meth:`insert`. Events of the current call collect in ``events``."""
+    :meth:`push_evictable`, :meth:`unevict` and :meth:`evict`; the prefix step
+    (:mod:`kvmem.server.core.prefix_step`) :meth:`insert`. Events of the current call collect in ``events``."""
 
     def __init__(self, num_pages: int, page_size: int, page_keys: PageKeys, *, enabled: bool = True) -> None:
         self.enabled = enabled

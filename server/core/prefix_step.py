@@ -2,9 +2,12 @@
 
 :func:`validate` checks them (and computes every key the step inserts) before anything
 changes; :func:`insert_released`, :func:`cache_rows` and :func:`match` apply them in the
-step's order (releases, truncates, caches, matches, allocs). Costs O(items + pages
-involved): a Python loop over items and their pages (a page key is a chain), never
-over tokens, and nothing proportional to the cache's size.
+step's order (releases, truncates, caches, matches, allocs). Each works out what the
+rows get and leaves the change to :class:`~kvmem.server.core.slots.RequestTable`
+(``switch``, ``attach``); the cache's own entries it changes through
+:class:`PrefixCache`. Costs O(items + pages involved): a Python loop over items and
+their pages (a page key is a chain), never over tokens, and nothing proportional to
+the cache's size.
 """
 
 from __future__ import annotations
@@ -14,9 +17,8 @@ import dataclasses
 import numpy as np
 
 from kvmem.server.core.batch import NO_EXPECTATION, NO_INT32, StepBatch, TokenLists, raise_first
-from kvmem.server.core.pool import PagePool
 from kvmem.server.core.prefix import PrefixCache
-from kvmem.server.core.slots import Owner, RequestSlots
+from kvmem.server.core.slots import Owner, RequestTable
 from kvmem.server.core.table import BlockTable
 from kvmem.server.errors import KVMemError, Reason
 
@@ -30,40 +32,41 @@ class PrefixPlan:
     cache_keys: list[list[bytes] | None]
 
 
-def lengths_after_truncates(slots: RequestSlots, batch: StepBatch, which: np.ndarray) -> np.ndarray:
+def lengths_after_truncates(requests: RequestTable, batch: StepBatch, which: np.ndarray) -> np.ndarray:
     """``alloced_len`` of the slots ``which`` once this step's truncates applied. O(n)."""
     tr = batch.truncate_slots
     if not tr.size:
-        return slots.alloced[which].astype(np.int64)
-    scratch = slots.scratch
-    scratch[which] = slots.alloced[which]
+        return requests.alloced[which].astype(np.int64)
+    scratch = requests.scratch
+    scratch[which] = requests.alloced[which]
     scratch[tr] = batch.truncate_lens
     return scratch[which].copy()
 
 
-def validate(cache: PrefixCache, slots: RequestSlots, table: BlockTable, state: Owner, batch: StepBatch) -> PrefixPlan:
+def validate(cache: PrefixCache, requests: RequestTable, state: Owner, batch: StepBatch) -> PrefixPlan:
     """Check the prefix items of ``batch`` (its slot columns and lengths are checked
     already); change nothing. O(items + pages to insert)."""
     rel, cs, ms = batch.release_slots, batch.cache_slots, batch.match_slots
+    table = requests.table
     if cs.size:
-        slots.check(state, cs, "cache_slots", rel)
+        requests.check(state, cs, "cache_slots", rel)
     if ms.size:  # its slots are checked (steps.validate)
-        _check_match(slots, batch)
+        _check_match(requests, batch)
     if cache.enabled and cache.num_entries:
-        _check_truncates(cache, table, slots, batch)
+        _check_truncates(cache, table, requests, batch)
     plan = PrefixPlan([], [])
     if batch.release_tokens is not None and rel.size:
-        have = slots.alloced[rel].astype(np.int64)
+        have = requests.alloced[rel].astype(np.int64)
         plan.release_keys = _keys(cache, table, state, rel, batch.release_tokens, have, "release_token_ids")
     if cs.size and batch.cache_tokens is not None:
-        have = lengths_after_truncates(slots, batch, cs)
+        have = lengths_after_truncates(requests, batch, cs)
         plan.cache_keys = _keys(cache, table, state, cs, batch.cache_tokens, have, "cache_token_ids")
     return plan
 
 
-def _check_match(slots: RequestSlots, batch: StepBatch) -> None:
+def _check_match(requests: RequestTable, batch: StepBatch) -> None:
     ms = batch.match_slots
-    cur = lengths_after_truncates(slots, batch, ms)
+    cur = lengths_after_truncates(requests, batch, ms)
     raise_first(
         cur != 0,
         lambda i: KVMemError(
@@ -85,14 +88,14 @@ def _check_match(slots: RequestSlots, batch: StepBatch) -> None:
         )
 
 
-def _check_truncates(cache: PrefixCache, table: BlockTable, slots: RequestSlots, batch: StepBatch) -> None:
+def _check_truncates(cache: PrefixCache, table: BlockTable, requests: RequestTable, batch: StepBatch) -> None:
     """PAGE_SHARED: a truncate to the middle of a cached page (the request would write
     into a page the cache shares)."""
     tr, lens = batch.truncate_slots, batch.truncate_lens
     if not tr.size:
         return
     ps = table.page_size
-    cur = slots.alloced[tr]
+    cur = requests.alloced[tr]
     partial = (lens % ps != 0) & (lens < cur)
     if not np.count_nonzero(partial):
         return
@@ -162,9 +165,7 @@ def _keys(
     return out
 
 
-def insert_released(
-    cache: PrefixCache, pool: PagePool, table: BlockTable, batch: StepBatch, plan: PrefixPlan, ns: str
-) -> None:
+def insert_released(cache: PrefixCache, requests: RequestTable, batch: StepBatch, plan: PrefixPlan, ns: str) -> None:
     """Release items' full pages enter the cache (before the release drops them, so
     those left unreferenced wait in the evictable queue). Where the cache has a key on
     another page, the row is first switched to the cache's page and the request's copy
@@ -174,23 +175,28 @@ def insert_released(
     evicted before them)."""
     if batch.release_tokens is None:
         return
-    _insert_rows(cache, pool, table, batch.release_slots, batch.release_tokens, plan.release_keys, ns)
+    _insert_rows(cache, requests, batch.release_slots, batch.release_tokens, plan.release_keys, ns)
 
 
 def _insert_rows(
     cache: PrefixCache,
-    pool: PagePool,
-    table: BlockTable,
+    requests: RequestTable,
     which: np.ndarray,
     tokens: TokenLists,
     plan_keys: list[list[bytes] | None],
     ns: str,
 ) -> tuple[np.ndarray, list[int]]:
     """Insert each item's full pages; switch its row to the cache's page wherever the
-    key is cached on another page (sharing it, freeing the row's own). Returns pages
-    switched per item and the slots whose rows changed."""
+    key is cached on another page (sharing it, freeing the row's own), all rows in one
+    :meth:`RequestTable.switch` once every item is inserted (a switch changes no key
+    and no later item's row). Returns pages switched per item and the slots whose rows
+    changed."""
     switched = np.zeros(int(which.size), dtype=np.int32)
     changed: list[int] = []
+    where: list[np.ndarray] = []
+    kept_pages: list[np.ndarray] = []
+    table = requests.table
+    width = table.width
     root = cache.root(ns)
     for i, (slot, keys) in enumerate(zip(which.tolist(), plan_keys, strict=True)):
         if not keys:
@@ -200,17 +206,20 @@ def _insert_rows(
         moved = kept != row
         count = int(np.count_nonzero(moved))
         if count:
-            new, old = kept[moved], row[moved].copy()
-            row[moved] = new
-            pool.share(new)
-            pool.unref(old)
+            where.append(slot * width + np.flatnonzero(moved))
+            kept_pages.append(kept[moved])
             switched[i] = count
             changed.append(slot)
+    if where:
+        if len(where) == 1:
+            requests.switch(where[0], kept_pages[0])
+        else:
+            requests.switch(np.concatenate(where), np.concatenate(kept_pages))
     return switched, changed
 
 
 def cache_rows(
-    cache: PrefixCache, pool: PagePool, table: BlockTable, batch: StepBatch, plan: PrefixPlan, ns: str
+    cache: PrefixCache, requests: RequestTable, batch: StepBatch, plan: PrefixPlan, ns: str
 ) -> tuple[np.ndarray, list[int]]:
     """Cache items: insert each running request's full pages; where the cache has an
     equal page elsewhere, the row is switched to it and the request's duplicate freed.
@@ -218,23 +227,16 @@ def cache_rows(
     tokens = batch.cache_tokens
     if tokens is None or not cache.enabled:
         return np.zeros(int(batch.cache_slots.size), dtype=np.int32), []
-    return _insert_rows(cache, pool, table, batch.cache_slots, tokens, plan.cache_keys, ns)
+    return _insert_rows(cache, requests, batch.cache_slots, tokens, plan.cache_keys, ns)
 
 
 def match(
-    cache: PrefixCache,
-    pool: PagePool,
-    table: BlockTable,
-    slots: RequestSlots,
-    state: Owner,
-    batch: StepBatch,
-    quota: int | None,
-    max_context_len: int,
+    cache: PrefixCache, requests: RequestTable, state: Owner, batch: StepBatch, quota: int | None, max_context_len: int
 ) -> np.ndarray:
-    """Match items: attach each fresh request's longest run of cached pages (at most
+    """Match items: find each fresh request's longest run of cached pages (at most
     ``min(len, max_tokens)`` tokens, within the context limit and the owner's quota),
-    write them into its row and set its ``alloced_len``. Returns tokens matched per
-    item (int32)."""
+    then :meth:`RequestTable.attach` writes them into the rows and sets the lengths.
+    Returns tokens matched per item (int32)."""
     ms, tokens = batch.match_slots, batch.match_tokens
     n = int(ms.size)
     if not n or tokens is None:
@@ -245,15 +247,16 @@ def match(
         cap = batch.match_max_tokens
         limits = np.where(cap >= 0, np.minimum(limits, cap), limits)
     queried = int(limits.sum())
-    state.prefix_query_tokens += queried
+    requests.count_queries(state, queried)
     cache.query_tokens += queried
     if not cache.enabled or not cache.num_entries:
         return lens
-    ps, ns, get = table.page_size, state.namespace, cache.index.get
+    ps, ns, get = requests.table.page_size, state.namespace, cache.index.get
     root = cache.root(ns)
     most = max_context_len // ps
     quota_left = None if quota is None else quota - state.num_pages_held
-    attached: list[int] = []
+    hit_slots: list[int] = []
+    runs: list[list[int]] = []
     for i, (slot, limit) in enumerate(zip(ms.tolist(), limits.tolist(), strict=True)):
         k = min(limit // ps, most)
         if quota_left is not None:
@@ -266,28 +269,24 @@ def match(
             run.append(page)
         m = len(run)
         if m:
-            table.array[slot, :m] = run
-            slots.alloced[slot] = m * ps
+            hit_slots.append(slot)
+            runs.append(run)
             lens[i] = m * ps
-            attached.extend(run)
             if quota_left is not None:
                 quota_left -= m
-    if attached:
-        pool.share(np.array(attached, dtype=np.int32))
-        state.num_pages_held += len(attached)
-        hits = len(attached) * ps
-        state.prefix_hit_tokens += hits
-        cache.hit_tokens += hits
+    if runs:
+        requests.attach(state, hit_slots, runs)
+        cache.hit_tokens += int(lens.sum())
     return lens
 
 
-def remainders(slots: RequestSlots, batch: StepBatch, lens: np.ndarray) -> np.ndarray:
+def remainders(requests: RequestTable, batch: StepBatch, lens: np.ndarray) -> np.ndarray:
     """Alloc needs once the matches applied: an alloc of a slot matched in this step
     asks for the request's whole length (its sender could not know the match), so it
     gets what the match did not cover, ``max(need - matched, 0)``; others are as sent.
     O(n)."""
     al, ms = batch.alloc_slots, batch.match_slots
-    scratch = slots.scratch
+    scratch = requests.scratch
     scratch[al] = 0
     scratch[ms] = lens
     return np.maximum(batch.alloc_needs - scratch[al], 0)

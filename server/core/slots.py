@@ -1,4 +1,8 @@
-"""Request slots ``[1, max_requests]``, their owners and their lengths."""
+"""The request table: request slots ``[1, max_requests]``, their owners, lengths and rows.
+
+:class:`RequestTable` is the one owner of a request's state: the step, alloc and prefix
+modules work out what to change and call its methods, which change it.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +12,27 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmem.server.core.batch import raise_first, too_many
+from kvmem.server.core.batch import NO_INT32, raise_first, too_many
 from kvmem.server.core.config import OwnerId
+from kvmem.server.core.pool import PagePool
+from kvmem.server.core.table import BlockTable, segments
 from kvmem.server.core.words import StampedWords
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
 
 MAX_REQUEST_ID_BYTES = 256  # the longest request id, in bytes of UTF-8 (a documented limit)
 _ID_CHARS_ALWAYS_OK = MAX_REQUEST_ID_BYTES // 4  # no longer than this: within the limit, whatever the characters
+_INT32 = np.dtype(np.int32)  # a dtype instance: a view to it skips resolving the type
 
 
 @dataclasses.dataclass(slots=True)
 class Owner:
-    """Accounting of one owner (a session, known here by its small integer).
+    """Accounting of one owner (a session, known here by its small integer); only
+    :class:`RequestTable` changes it.
 
-    ``num_pages_held`` is the sum over its open requests of their page counts, changed
-    only by the step code; ``num_requests`` their number. ``request_slots`` maps the
-    request ids of its open requests to their slots, and only those: a release drops its
-    ids (released ids keep no memory)."""
+    ``num_pages_held`` is the sum over its open requests of their page counts;
+    ``num_requests`` their number. ``request_slots`` maps the request ids of its open
+    requests to their slots, and only those: a release drops its ids (released ids
+    keep no memory)."""
 
     index: OwnerId
     slot_expect: bytes  # the slot words of its slots listed at positions 0, 1, 2, ...
@@ -37,18 +45,31 @@ class Owner:
     num_evictions: int = 0  # cached pages its allocs evicted
 
 
-class RequestSlots:
-    """Slot state in arrays indexed by slot, and the owners.
+class RequestTable:
+    """The open requests, by slot, and their owners.
+
+    Invariants (only this class changes the block-table rows, ``alloced``,
+    ``owner_of``, ``request_id``, the free slot stack and every :class:`Owner`'s
+    fields; the step, alloc and prefix modules plan and call its methods): for every
+    open slot ``s``, row ``s`` of the block table holds exactly ``ceil(alloced[s] /
+    page_size)`` non-zero page ids followed by zeros, each page's reference counted
+    once per row that holds it (the :class:`PagePool` counts, through :meth:`PagePool.take`,
+    :meth:`~PagePool.share` and :meth:`~PagePool.unref`); closed rows and row 0 are all
+    zero; an owner's ``num_pages_held`` is the sum of its rows' page counts and its
+    ``request_slots`` maps exactly its open slots' request ids. (A test scans the core's
+    sources for writes to them elsewhere, and for the pool's ``ref_cnt``.)
 
     ``owner_of[slot]`` (the value half of each slot's stamped word) is 0 for a closed
     slot; one sentinel entry past ``max_requests`` is always 0, so a clipped
     out-of-range slot reads "not found". ``alloced[slot]`` is the slot's length in
     tokens (0 when closed; int32: a length never exceeds the pool's tokens). Free slots
     are a stack whose top is handed out first; descending, so the first slots are 1,
-    2, 3, ... Only this class and the step code change these arrays."""
+    2, 3, ... ``scratch`` is scratch per slot, for any check."""
 
-    def __init__(self, max_requests: int) -> None:
+    def __init__(self, max_requests: int, table: BlockTable, pool: PagePool) -> None:
         self.max_requests = max_requests
+        self.table, self.pool = table, pool
+        table.array[...] = 0  # every row empty
         n_slots = max_requests + 2  # slot 0 padding, last entry a sentinel
         self._words = StampedWords(n_slots, n_slots)
         self.owner_of = self._words.value
@@ -56,11 +77,13 @@ class RequestSlots:
         # The request id of each open slot, None when closed: an object array, so a
         # release reads and clears its slots' ids in two array operations.
         self.request_id = np.full(n_slots, None, dtype=object)
-        self.scratch = np.zeros(n_slots, dtype=np.int64)  # scratch per slot, for checks
+        self.scratch = np.zeros(n_slots, dtype=np.int64)
         self._free = np.arange(max_requests, 0, -1, dtype=np.int64)
         self.num_free = max_requests
         self.owners: dict[int, Owner] = {}
         self._next_owner = 1
+        self._col = np.arange(table.width, dtype=np.int64)
+        self._heads: list[tuple[np.ndarray, np.ndarray] | None] = [None] * (table.width + 1)
 
     def free_slots(self) -> np.ndarray:
         """The free slot stack (a view). For the audit and tests."""
@@ -75,6 +98,15 @@ class RequestSlots:
         self._next_owner += 1
         self.owners[index] = Owner(index, StampedWords.expected(index, self._words.order_size), namespace=namespace)
         return index
+
+    def remove_owner(self, state: Owner, hold: list[np.ndarray] | None = None) -> int:
+        """Release every request of ``state`` (as :meth:`release` would, pages into
+        ``hold`` when given) and forget it. Returns the number of requests released.
+        O(max_requests + their pages)."""
+        open_slots = self.slots_of(state)
+        self.release(state, open_slots, hold)
+        del self.owners[state.index]
+        return int(open_slots.size)
 
     def owner(self, index: int) -> Owner:
         state = self.owners.get(index)
@@ -94,7 +126,15 @@ class RequestSlots:
             return slot
         return 0
 
-    # ------------------------------------------------------------ open, close
+    def count_queries(self, state: Owner, tokens: int) -> None:
+        """Tokens ``state``'s match items asked for (:meth:`attach` counts the hits)."""
+        state.prefix_query_tokens += tokens
+
+    def count_evictions(self, state: Owner, evicted: int) -> None:
+        """Cached pages ``state``'s allocs evicted."""
+        state.num_evictions += evicted
+
+    # ------------------------------------------------------------------ open
 
     def open(self, state: Owner, request_ids: Sequence[str]) -> np.ndarray:
         """Give each request id a slot; an id the owner already has keeps its slot.
@@ -132,12 +172,73 @@ class RequestSlots:
         state.num_requests += k
         return np.fromiter(map(live.__getitem__, request_ids), dtype=np.int32, count=n)
 
-    def close(self, state: Owner, slots: np.ndarray) -> None:
-        """Free slots (open, ``state``'s, distinct) whose rows the caller has dropped:
-        lengths 0, owner 0, pushed on the free stack with one copy; their request ids
-        leave the slot array and the owner's map (released ids keep no memory). O(n):
-        array operations, and a dict pop per id in C (one ``clear`` when the owner
-        releases every request it has)."""
+    # --------------------------------------------------- the step's changes
+
+    def release(self, state: Owner, which: np.ndarray, hold: list[np.ndarray] | None = None) -> int:
+        """End the requests of slots ``which`` (open, ``state``'s, distinct): drop their
+        pages (into ``hold``, a quarantine, when given), zero their rows, free their
+        slots. Returns the pages dropped. O(n * width)."""
+        dropped = self._drop_rows(which, self.alloced[which], hold)
+        state.num_pages_held -= dropped
+        self._close(state, which)
+        return dropped
+
+    def truncate(self, state: Owner, which: np.ndarray, lens: np.ndarray) -> int:
+        """Shrink requests to ``lens`` tokens (each within its length): pages past
+        ``ceil(len / page_size)`` are dropped. Returns the pages dropped. O(n + P)."""
+        table = self.table
+        have = table.num_pages_for(self.alloced[which])
+        dropped = self._drop_pages(which, table.num_pages_for(lens), have)
+        state.num_pages_held -= dropped
+        self.alloced[which] = lens
+        return dropped
+
+    def grow(self, state: Owner, which: np.ndarray, end: np.ndarray, where: np.ndarray, num_pages: int) -> np.ndarray:
+        """Allocs: take ``num_pages`` pages from the pool (the caller checked they are
+        there), write them at the flat block-table positions ``where`` (one each, in
+        order: each slot's next columns), and set the lengths of slots ``which`` to
+        ``end``. Returns the pages taken (int32). O(n + P)."""
+        if num_pages:
+            pages = self.pool.take(num_pages)
+            self.table.flat[where] = pages
+            state.num_pages_held += num_pages
+        else:
+            pages = NO_INT32
+        self.alloced[which] = end
+        return pages
+
+    def attach(self, state: Owner, which: list[int], runs: list[list[int]]) -> None:
+        """Matches: each fresh slot of ``which`` gets the cached pages of its run in
+        its first columns, one more reference each, and the length of its full pages.
+        O(n + P): a row write per item."""
+        array, ps = self.table.array, self.table.page_size
+        attached: list[int] = []
+        for slot, run in zip(which, runs, strict=True):
+            m = len(run)
+            array[slot, :m] = run
+            self.alloced[slot] = m * ps
+            attached.extend(run)
+        if attached:
+            self.pool.share(np.array(attached, dtype=np.int32))
+            state.num_pages_held += len(attached)
+            state.prefix_hit_tokens += len(attached) * ps
+
+    def switch(self, where: np.ndarray, pages: np.ndarray) -> None:
+        """Point the flat block-table positions ``where`` at ``pages`` (cached pages
+        equal to those there): the new ones gain a reference, the old ones lose theirs.
+        Lengths and page counts stay. O(P)."""
+        flat = self.table.flat
+        old = flat.take(where)
+        flat[where] = pages
+        self.pool.share(pages)
+        self.pool.unref(old)
+
+    def _close(self, state: Owner, slots: np.ndarray) -> None:
+        """Free slots (open, ``state``'s, distinct) whose rows are dropped: lengths 0,
+        owner 0, pushed on the free stack with one copy; their request ids leave the
+        slot array and the owner's map (released ids keep no memory). O(n): array
+        operations, and a dict pop per id in C (one ``clear`` when the owner releases
+        every request it has)."""
         self.alloced[slots] = 0
         self._words.word[slots] = 0  # owner and stamp
         top = self.num_free
@@ -149,6 +250,55 @@ class RequestSlots:
         else:
             state.request_slots.clear()
         self.request_id[slots] = None
+
+    def _drop_pages(self, slots: np.ndarray, keep: np.ndarray, have: np.ndarray) -> int:
+        """Unreference columns ``[keep, have)`` of each slot's row and zero them.
+        Returns the number of entries dropped. O(n + P)."""
+        counts = have - keep
+        if not np.count_nonzero(counts):
+            return 0
+        item, cols = segments(keep, counts)
+        flat = self.table.flat
+        pos = slots[item] * self.table.width + cols
+        pages = flat.take(pos)
+        self.pool.unref(pages)
+        flat[pos] = 0
+        return int(pages.size)
+
+    def _drop_rows(self, slots: np.ndarray, alloced: np.ndarray, hold: list[np.ndarray] | None) -> int:
+        """Unreference every page of each slot's row (``alloced`` tokens long) and zero
+        the rows: one gather of each row's first ``width`` entries (``width`` pages for
+        the longest row) instead of a per-page gather, and one zeroing of the same.
+        Pages left unreferenced go to ``hold`` when given (a quarantine, see
+        :meth:`PagePool.unref`). Returns the number of entries dropped. O(n * width)."""
+        if not alloced.size:
+            return 0
+        longest = alloced.item(alloced.argmax())  # argmax: a third of max()'s fixed cost
+        if longest == 0:
+            return 0
+        ps = self.table.page_size
+        width = -(-longest // ps)
+        heads, zero = self._row_heads(width)
+        pages = heads[slots].view(_INT32)  # the rows' first `width` entries, row after row
+        if alloced.item(alloced.argmin()) <= (width - 1) * ps:  # some row holds fewer pages
+            pages = pages.reshape(-1, width)[self._col[:width] < self.table.num_pages_for(alloced)[:, None]]
+        self.pool.unref(pages, hold)
+        heads[slots] = zero
+        return int(pages.size)
+
+    def _row_heads(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows cut to their first ``width`` entries, as a 1-D array of ``4 *
+        width``-byte items over the same memory, and a zero item. Gathering or zeroing
+        n rows' heads is then a 1-D fancy index, one copy per row: a half to a third of
+        the 2-D index's cost, most of all for few rows. Built once per width (the
+        constructor alone costs about a gather of 256 rows)."""
+        cached = self._heads[width]
+        if cached is None:
+            bt = self.table.array
+            item = np.dtype((np.void, 4 * width))
+            view = np.ndarray((bt.shape[0],), dtype=item, buffer=bt, strides=(bt.strides[0],))
+            cached = self._heads[width] = (view, np.zeros((), dtype=item))
+        return cached
 
     # ----------------------------------------------------------------- checks
 

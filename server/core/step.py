@@ -1,8 +1,10 @@
-"""The step's validation, and its releases and truncates.
+"""The step's validation.
 
 :func:`validate` checks a whole :class:`StepBatch` before anything changes and returns
 what the apply phase needs; bad input raises :class:`KVMemError` naming the column, the
-item and the value (the first offending item, by :func:`raise_first`).
+item and the value (the first offending item, by :func:`raise_first`). Releases and
+truncates need no plan beyond it: :class:`~kvmem.server.core.slots.RequestTable` applies
+them as the batch gives them.
 """
 
 from __future__ import annotations
@@ -13,53 +15,52 @@ import numpy as np
 
 from kvmem.server.core.batch import NO_EXPECTATION, StepBatch, raise_first
 from kvmem.server.core.config import INT32_MAX
-from kvmem.server.core.slots import Owner, RequestSlots
-from kvmem.server.core.table import BlockTable
+from kvmem.server.core.slots import Owner, RequestTable
 from kvmem.server.errors import KVMemError, Reason
 
 
-def validate(slots: RequestSlots, state: Owner, batch: StepBatch) -> np.ndarray | None:
+def validate(requests: RequestTable, state: Owner, batch: StepBatch) -> np.ndarray | None:
     """Check every item of ``batch`` (lengths already checked); change nothing.
     Returns each alloc item's length before its alloc (after this step's truncates),
     or None when there are no allocs. O(n)."""
     rel, tr, al, ms = batch.release_slots, batch.truncate_slots, batch.alloc_slots, batch.match_slots
     if rel.size:
-        slots.check(state, rel, "release_slots")
+        requests.check(state, rel, "release_slots")
     if tr.size:
-        slots.check(state, tr, "truncate_slots", rel)
-        _check_truncate_lens(tr, batch.truncate_lens, slots.alloced[tr])
+        requests.check(state, tr, "truncate_slots", rel)
+        _check_truncate_lens(tr, batch.truncate_lens, requests.alloced[tr])
     if ms.size:
-        slots.check(state, ms, "match_slots", rel)
+        requests.check(state, ms, "match_slots", rel)
     if not al.size:
         return None
-    slots.check(state, al, "alloc_slots", rel)
+    requests.check(state, al, "alloc_slots", rel)
     need = batch.alloc_needs
     raise_first(
         need.view(np.uint64) > INT32_MAX,  # negatives wrap to huge
         lambda i: KVMemError(Reason.BAD_VALUE, f"alloc_needs[{i}] must be in [0, 2^31), got {int(need[i])}", index=i),
     )
     if tr.size:
-        lengths = slots.alloced.copy()
+        lengths = requests.alloced.copy()
         lengths[tr] = batch.truncate_lens
         cur = lengths[al]
     else:
-        cur = slots.alloced[al]
+        cur = requests.alloced[al]
     expected = batch.expectations()
     if expected is not None:
         if ms.size:
-            check_matched_allocs(slots, batch)
+            check_matched_allocs(requests, batch)
         _check_expected(al, expected, cur)
     return cur
 
 
-def check_matched_allocs(slots: RequestSlots, batch: StepBatch) -> None:
+def check_matched_allocs(requests: RequestTable, batch: StepBatch) -> None:
     """An alloc of a slot matched in the same step carries no expected length (the
     match decides it). Called by :func:`validate` once the alloc and match slots
     are checked, before the alloc expectations. O(n)."""
     expected = batch.expectations()
     if expected is not None and batch.match_slots.size:
         ms = batch.match_slots
-        scratch = slots.scratch
+        scratch = requests.scratch
         al = batch.alloc_slots
         scratch[al] = 0
         scratch[ms] = 1
@@ -106,24 +107,3 @@ def _disagreement(
         return KVMemError(reason, message, index=i, slot=slot, alloced_len=length)
 
     return error
-
-
-def release(
-    slots: RequestSlots, table: BlockTable, state: Owner, rel: np.ndarray, hold: list[np.ndarray] | None = None
-) -> int:
-    """End requests: drop their pages (into ``hold``, a quarantine, when given), zero
-    their rows, free their slots. Returns the pages dropped. O(n * width)."""
-    dropped = table.drop_rows(rel, slots.alloced[rel], hold)
-    state.num_pages_held -= dropped
-    slots.close(state, rel)
-    return dropped
-
-
-def truncate(slots: RequestSlots, table: BlockTable, state: Owner, tr: np.ndarray, new_lens: np.ndarray) -> int:
-    """Shrink requests to ``new_lens``: pages past ``ceil(new_len / page_size)`` are
-    dropped. Returns the pages dropped. O(n + P)."""
-    have = table.num_pages_for(slots.alloced[tr])
-    dropped = table.drop_pages(tr, table.num_pages_for(new_lens), have)
-    state.num_pages_held -= dropped
-    slots.alloced[tr] = new_lens
-    return dropped

@@ -17,6 +17,9 @@ well.
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -895,7 +898,7 @@ def test_add_owner_mints_distinct_small_integers(make_core) -> None:
 
 def test_attach_validates_the_quota() -> None:
     """Quotas are the sessions layer's: a bad one is refused there, nothing registered."""
-    sessions = Sessions(CoreConfig(9, PS, 4, 16), lease_s=10.0, audit_every_step=True)
+    sessions = Sessions(KVCore(CoreConfig(9, PS, 4, 16), audit_every_step=True), lease_s=10.0)
     core = sessions.core
     zero = sessions.attach("a", 0)
     assert zero.quota_pages == 0 and core.has_owner(zero.owner)
@@ -1256,3 +1259,202 @@ def test_audit_every_step_is_the_constructors_switch(monkeypatch: pytest.MonkeyP
     report = core.audit()
     assert not report.ok
     assert any("pages twice in the free stack and quarantines" in p for p in report.problems), report.problems
+
+
+# ------------------------------------------------------- one owner per invariant
+
+# Each invariant's state and the core modules whose code may change it (a source scan:
+# an owner's rule stated in its docstring, kept by every other module).
+_POOL, _REQUESTS = {"pool.py"}, {"slots.py"}
+OWNED = {
+    # PagePool: reference counts (and, private, the free stack and the words)
+    "ref_cnt": _POOL,
+    "num_quarantined": _POOL,
+    # RequestTable: the block-table rows, lengths, slot owners and ids, the free slots,
+    # the owners and every Owner's accounting
+    "array": _REQUESTS,
+    "flat": _REQUESTS,
+    "block_table": _REQUESTS,
+    "alloced": _REQUESTS,
+    "owner_of": _REQUESTS,
+    "request_id": _REQUESTS,
+    "num_free": _REQUESTS,
+    "owners": _REQUESTS,
+    "num_pages_held": _REQUESTS,
+    "num_requests": _REQUESTS,
+    "request_slots": _REQUESTS,
+    "prefix_query_tokens": _REQUESTS,
+    "prefix_hit_tokens": _REQUESTS,
+    "num_evictions": _REQUESTS | {"prefix.py"},  # an Owner's (RequestTable) and the cache's own
+}
+_VIEWS = {"reshape", "view", "ravel", "transpose", "swapaxes", "squeeze"}  # results share the memory
+_ROW_VIEWS = {"_row_heads"}  # RequestTable's methods that return views of the rows (``array``)
+_MUTATORS = {
+    *("put", "fill", "itemset", "sort", "partition", "resize", "setfield", "byteswap"),  # numpy arrays
+    *("update", "pop", "popitem", "clear", "setdefault", "__setitem__", "__delitem__"),  # dicts
+}
+_WRITE_FUNCS = {"copyto", "put", "place", "putmask", "at"}  # np.copyto(dst, ...), np.add.at(dst, ...)
+
+
+def _writes(source: str) -> list[tuple[str, int]]:
+    """``(what, line)`` for every write in ``source`` to an attribute of :data:`OWNED`
+    (``what`` is its name) or to a private attribute of another object (``what`` is
+    ``"_name via x"``): an assignment, augmented assignment or ``del`` of the attribute
+    or into it (a subscript), through a name bound to it or to a view of it in the same
+    function, a mutating method (called or passed on), ``out=``, and ``np.copyto`` /
+    ``put`` / ``place`` / ``putmask`` / ``ufunc.at`` of it. A constructor binding its
+    own attributes (``self.x = ...`` in ``__init__``) is construction, not a write."""
+    found: list[tuple[str, int]] = []
+
+    def owned(node: ast.expr, aliases: dict[str, str]) -> str | None:
+        """The owned attribute whose memory ``node`` is, or None."""
+        if isinstance(node, ast.Attribute):
+            return node.attr if node.attr in OWNED else None
+        if isinstance(node, ast.Subscript):
+            return owned(node.value, aliases)
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in _ROW_VIEWS:
+                return "array"
+            if node.func.attr in _VIEWS:
+                return owned(node.func.value, aliases)
+        return None
+
+    def private(node: ast.expr) -> str | None:
+        """``_name via x`` when ``node`` is, or lies in, a private attribute of an object other than ``self``."""
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            by_self = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+            if isinstance(node, ast.Attribute) and node.attr[:1] == "_" and node.attr[:2] != "__" and not by_self:
+                return f"{node.attr} via {ast.unparse(node.value)}"
+            node = node.value
+        return None
+
+    def target(node: ast.expr, aliases: dict[str, str], constructing: bool) -> None:
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for elt in node.elts:
+                target(elt, aliases, constructing)
+            return
+        what = None
+        if isinstance(node, ast.Attribute):
+            own = isinstance(node.value, ast.Name) and node.value.id == "self"
+            what = None if constructing and own else owned(node, aliases)
+        elif isinstance(node, ast.Subscript):
+            what = owned(node.value, aliases)
+        elif isinstance(node, ast.Starred):
+            return target(node.value, aliases, constructing)
+        what = what or private(node)
+        if what:
+            found.append((what, node.lineno))
+
+    def function(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        aliases: dict[str, str] = {}
+        constructing = fn.name == "__init__"
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign):
+                for tgt in node.targets:
+                    target(tgt, aliases, constructing)
+                    if isinstance(tgt, ast.Tuple):  # a, b = x, y: pairwise; a, b = f(): each name
+                        values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value] * len(tgt.elts)
+                        pairs = list(zip(tgt.elts, values, strict=False))
+                    else:
+                        pairs = [(tgt, node.value)]
+                    for name, value in pairs:
+                        if isinstance(name, ast.Name) and (what := owned(value, aliases)):
+                            aliases[name.id] = what
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                target(node.target, aliases, constructing and isinstance(node, ast.AnnAssign))
+            elif isinstance(node, ast.Delete):
+                for tgt in node.targets:
+                    target(tgt, aliases, False)
+            elif isinstance(node, ast.Attribute) and node.attr in _MUTATORS:
+                if what := owned(node.value, aliases) or private(node.value):
+                    found.append((what, node.lineno))
+            elif isinstance(node, ast.Call):
+                func = node.func
+                writes_first = isinstance(func, ast.Attribute) and func.attr in _WRITE_FUNCS and node.args
+                if writes_first and (what := owned(node.args[0], aliases)):  # np.copyto(dst, ...), np.add.at(dst, ...)
+                    found.append((what, node.lineno))
+                for kw in node.keywords:
+                    if kw.arg == "out" and (what := owned(kw.value, aliases)):
+                        found.append((what, node.lineno))
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            function(node)
+    return sorted(set(found), key=lambda w: w[1])
+
+
+def _core_sources() -> dict[str, str]:
+    import kvmem.server.core
+
+    folder = pathlib.Path(kvmem.server.core.__file__).parent
+    return {p.name: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.py"))}
+
+
+def test_each_invariant_is_changed_by_its_owner_alone() -> None:
+    """PagePool alone changes the reference counts; RequestTable (``slots.py``) alone
+    the block-table rows, ``alloced``, the slot owners and ids, and the owners'
+    accounting (``num_pages_held`` and the rest); nobody changes another object's
+    private state. The step, alloc and prefix modules and ``KVCore`` plan and call."""
+    outside = [
+        f"{module}:{line}: writes {what}"
+        for module, source in _core_sources().items()
+        for what, line in _writes(source)
+        if module not in OWNED.get(what, set())
+    ]
+    assert not outside, outside
+
+
+def test_the_owners_writes_are_found() -> None:
+    """The scan sees the owners' own writes (so it is not blind): the pool's counts
+    through an alias and ``np.add.at``, the rows through aliases and subscripts, the
+    lengths and the pages-held counts."""
+    sources = _core_sources()
+    in_pool = {what for what, _ in _writes(sources["pool.py"])}
+    in_requests = {what for what, _ in _writes(sources["slots.py"])}
+    assert {"ref_cnt", "num_quarantined"} <= in_pool, in_pool
+    assert {"array", "flat", "alloced", "owner_of", "request_id", "num_free", "owners"} <= in_requests, in_requests
+    assert {"num_pages_held", "num_requests", "request_slots", "prefix_query_tokens", "num_evictions"} <= in_requests
+
+
+@pytest.mark.parametrize(
+    ("line", "what"),
+    [
+        ("core.slots.alloced[slots] = 0", "alloced"),
+        ("state.num_pages_held += 1", "num_pages_held"),
+        ("state.num_pages_held = 0", "num_pages_held"),
+        ("row = core.block_table[3, :2]\n    row[0] = 7", "block_table"),
+        ("flat, width = table.flat, table.width\n    flat[0] = 7", "flat"),
+        ("heads = table.array.reshape(-1)\n    heads[1] = 0", "array"),
+        ("heads, zero = self._row_heads(4)\n    heads[slots] = zero", "array"),
+        ("table.flat.put([1], 2)", "flat"),
+        ("np.add.at(core.pool.ref_cnt, [1], 1)", "ref_cnt"),
+        ("np.cumsum(x, out=core.slots.alloced[1:])", "alloced"),
+        ("del core.slots.owners[1]", "owners"),
+        ("deque(map(state.request_slots.pop, ids))", "request_slots"),
+        ("core.pool._free[0] = 3", "_free via core.pool"),
+        ("pool._words.word[pages] = 1", "_words via pool"),
+    ],
+)
+def test_the_owner_scan_finds_each_kind_of_write(line: str, what: str) -> None:
+    assert [w for w, _ in _writes(f"def f():\n    {line}\n")] == [what]
+
+
+def test_the_owner_scan_lets_reads_copies_and_construction_be() -> None:
+    source = """
+class C:
+    def __init__(self, table):
+        self.alloced = np.zeros(4)
+        self.flat = table.reshape(-1)
+
+    def f(self, core, slots):
+        cur = core.slots.alloced[slots] + 1
+        page = core.table.flat.take(slots)
+        page[0] = 3
+        lengths = core.slots.alloced.copy()
+        lengths[slots] = 0
+        self._words.word[slots] = 0
+        n = core.slots.owners.get(1)
+"""
+    assert _writes(source) == []
