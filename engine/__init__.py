@@ -5,6 +5,8 @@
   chunked prefill, decode, speculative drafts, preemption, release into the cache;
 * :mod:`.model` -- the model seam: what the loop calls for each iteration's forward pass
   (today :class:`~.model.SyntheticModel`, which writes the pattern K/V);
+* :mod:`.backend` -- the allocator seam: the Step the loop plans and the answer it reads
+  (kvmem's client, the drop-in, or the reference allocator);
 * :mod:`.kv_check` -- the pattern K/V and the check that reads it back;
 * :mod:`.workload` -- the seeded synthetic requests;
 * :mod:`.worker` -- one worker process (on the batched client or on the drop-in,

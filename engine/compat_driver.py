@@ -2,8 +2,9 @@
 (:class:`kvmem.client.compat.KVAllocator`), driven as a scheduler written against the
 reference allocator drives it once switched (``docs/COMPAT.md``).
 
-The scheduler (:mod:`.simulate_scheduler`) is the same as on the batched client, with
-the same workload and the same decisions; only its allocator calls differ. Requests
+The scheduler (:mod:`.scheduler`) and its model (:mod:`.model`) are the same as on the
+batched client, with the same workload and the same decisions; only its allocator calls
+differ (this module's :class:`CompatBackend`, a :class:`~.backend.Backend`). Requests
 are known by *request index* (``[0, max_batch_size)``, handed out here as a reference
 scheduler's request pool does; the drop-in maps them to kvmem slots), and each
 iteration is one ``with allocator.iteration():`` block of per-request calls:
@@ -20,9 +21,10 @@ iteration is one ``with allocator.iteration():`` block of per-request calls:
   the block's end: ``result.ok`` / ``result.status`` (OUT_OF_PAGES preempts) and the
   ``kv_loc``, ``it.collect()`` being the iteration's ``out_cache_loc``.
 
-The block goes out as one Step, after one Open when it starts requests. The K/V is
-written at the ``kv_loc`` values and read back through ``allocator.req_to_page`` (the
-block table by request index), as with the batched client.
+The block goes out as one Step, after one Open when it starts requests. The model's
+forward pass writes the K/V at the ``kv_loc`` values, each request's row being its
+request index; it is read back through ``allocator.req_to_page`` (the block table by
+request index), as with the batched client.
 
 When the server has no request slot for the block's new requests, its Open fails and
 the drop-in applies nothing of the block: the iteration is sent again without its
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .scheduler import NOT_OPENED, Outcome, Plan
+from .backend import NOT_OPENED, Outcome, Plan
 
 if TYPE_CHECKING:
     from kvmem.client.compat import KVAllocator

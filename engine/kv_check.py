@@ -104,9 +104,14 @@ class KVPattern:
         return np.cumsum(tokens.astype(np.uint64) * w, dtype=np.uint64) + np.uint64(base)
 
     @staticmethod
-    def hashes(v: np.ndarray, start: int) -> np.ndarray:
-        """The 64-bit hash of each ``(v(p), p)``, ``p`` from ``start`` (murmur3's fmix64)."""
-        x = v ^ (np.arange(start, start + v.size, dtype=np.uint64) * _C_POS)
+    def hashes(v: np.ndarray, start: int | np.ndarray) -> np.ndarray:
+        """The 64-bit hash of each ``(v(p), p)`` (murmur3's fmix64): ``p`` from ``start``,
+        or ``start`` the positions themselves (a packed batch of several requests)."""
+        if isinstance(start, np.ndarray):
+            pos = start.astype(np.uint64)
+        else:
+            pos = np.arange(start, start + v.size, dtype=np.uint64)
+        x = v ^ (pos * _C_POS)
         x ^= x >> _S33
         x *= _M1
         x ^= x >> _S33

@@ -9,9 +9,11 @@ while it is constructed (as ``bench/_reference.py`` does for the benchmarks).
 Each baseline worker runs the same :class:`~kvmem.engine.scheduler.Scheduler`
 and workload as a kvmem worker, with one reference allocator of its own (no sharing, no
 prefix cache: the reference has none; a scheduler brings its own tree) as large as the
-server's pool, so what it holds is what the workload needs without sharing. It writes no
-K/V (the reference has no KV memory): what is compared is the allocator's time per
-scheduler iteration, the pages held, and the prefill the shared cache saved.
+server's pool, so what it holds is what the workload needs without sharing. Its model is
+the same :class:`~kvmem.engine.model.SyntheticModel` without KV memory (the reference
+has none): it samples the workload's tokens, writes nothing, sleeps nothing. What is
+compared is the allocator's time per scheduler iteration, the pages held, and the
+prefill the shared cache saved.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from kvmem.engine.scheduler import OUT_OF_PAGES, Outcome, Plan, Scheduler
+from kvmem.engine.backend import OUT_OF_PAGES, Outcome, Plan
+from kvmem.engine.model import SyntheticModel
+from kvmem.engine.scheduler import Scheduler
 from kvmem.engine.worker import Flag, Messages, WorkerConfig, drive
 
 REFERENCE_RELPATH = pathlib.Path("shared") / "reference" / "seed_kv_allocator.py"
@@ -183,7 +187,8 @@ def baseline_main(config: BaselineConfig, messages: Messages, go: Flag, stop: Fl
             max_running=w.max_running,
             max_context=config.max_context,
         )
-        sched = Scheduler(backend, None, w.spec, w.worker, max_running=w.max_running, chunk_tokens=w.chunk_tokens)
+        model = SyntheticModel(None)  # no KV memory: it samples the workload's tokens
+        sched = Scheduler(backend, model, w.spec, w.worker, max_running=w.max_running, chunk_tokens=w.chunk_tokens)
         drive(sched, w, messages, go, stop, backend.pages)
     except BaseException as exc:  # reported to the command, which fails the run
         import traceback

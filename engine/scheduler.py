@@ -1,7 +1,8 @@
 """The continuous-batching scheduler of ``kvmem simulate``'s workers.
 
 One :meth:`Scheduler.iteration` is what an inference engine's scheduler does per model
-step, in one Step of the allocator (plus an Open when it admits requests):
+step: one Step of the allocator (plus an Open when it admits requests), then one forward
+pass of the model (:mod:`.model`):
 
 1. arrivals join the waiting queue;
 2. requests that finished (or were chosen for preemption) last iteration are read back
@@ -14,16 +15,22 @@ step, in one Step of the allocator (plus an Open when it admits requests):
    or 1 + k with k drafts), then the next chunk of each prefilling request, then new
    requests: matched against the prefix cache (``len - 1`` tokens at most: one token is
    always computed) with the alloc of their first chunk in the same Step;
-6. K/V of every token allocated is written at its ``kv_loc`` (:mod:`.simulate_kv`);
+6. the model's forward pass computes every token allocated, writing its K/V at its
+   ``kv_loc`` (:class:`~.model.ForwardBatch`), and samples the next token of each
+   request that reached the end of its prompt or decoded; a decode's drafts are accepted
+   as far as the samples confirm them, and the samples extend the request's tokens;
 7. an alloc that gets ``OUT_OF_PAGES`` preempts the youngest running request (released
    with its computed tokens next iteration, requeued at the front with a backoff; it
    re-prefills what it had, mostly from the cache) and pauses admissions.
 
-The allocator is a :class:`Backend`: kvmem's batched client, one Step
-(:mod:`.simulate_worker`, ``--api client``); the drop-in ``KVAllocator`` driven as a
-scheduler written against the reference allocator drives it (:mod:`.simulate_compat`,
-``--api compat``); or, for the ``--baseline`` run, the reference allocator in-process (its
-adapter lives with the command, in ``kvmem.server``).
+The workload fixes each request's tokens (:mod:`.workload`): its prompt, its length, and
+its drafts (the first ones a seeded draw accepts are the request's next tokens, the
+others not); what the request's tokens become after its prompt is what the model samples.
+
+The allocator is a :class:`Backend`: kvmem's batched client, one Step (:mod:`.worker`,
+``--api client``); the drop-in ``KVAllocator`` driven as a scheduler written against the
+reference allocator drives it (:mod:`.compat_driver`, ``--api compat``); or, for the
+``--baseline`` run, the reference allocator in-process (:mod:`.reference`).
 """
 
 from __future__ import annotations
@@ -32,17 +39,13 @@ import collections
 import dataclasses
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .workload import Acceptance, SimRequest, WorkloadDigest, WorkloadSpec, generate
+from .backend import NOT_OPENED, OK, OUT_OF_PAGES, Backend, Outcome, Plan
+from .model import Admission, BatchBuilder, ForwardBatch, ForwardOutput, Model, ModelFailure, ReadBack
+from .workload import Acceptance, SimRequest, WorkloadDigest, WorkloadSpec, drafts, generate
 
-if TYPE_CHECKING:
-    from .kv_check import KVMemory  # torch: imported by the workers that write K/V, not by the command
-
-OK, OUT_OF_PAGES = 0, 1  # AllocStatus values (kvmem.v1); others end the run as errors
-NOT_OPENED = -1  # an admission's status when the backend opens in its step and the server had no request slot
 DECODE, PREFILL, ADMIT = 0, 1, 2
 
 
@@ -50,50 +53,12 @@ class SimulationFailure(Exception):
     """A page read back wrong: the run fails, naming the request, page and position."""
 
 
-@dataclasses.dataclass(slots=True)
-class Plan:
-    """One iteration's Step, as columns (see ``KVMemClient.step``)."""
-
-    release_slots: list[int] = dataclasses.field(default_factory=list)
-    release_tokens: list[np.ndarray] = dataclasses.field(default_factory=list)
-    truncate_slots: list[int] = dataclasses.field(default_factory=list)
-    truncate_lens: list[int] = dataclasses.field(default_factory=list)
-    cache: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
-    match: list[tuple[int, np.ndarray, int]] = dataclasses.field(default_factory=list)
-    alloc_slots: list[int] = dataclasses.field(default_factory=list)
-    alloc_needs: list[int] = dataclasses.field(default_factory=list)
-    alloc_expected: list[int] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(slots=True)
-class Outcome:
-    """A Step's answer: per alloc item its status and token slots (``kv_loc[off[i] :
-    off[i + 1]]``; None when the backend has no KV memory), per match item the tokens
-    matched."""
-
-    status: np.ndarray
-    kv_loc: np.ndarray | None
-    offsets: np.ndarray
-    match_lens: np.ndarray
-
-
-class Backend(Protocol):
-    """An allocator the scheduler drives: request slots, and one step per iteration."""
-
-    page_size: int
-
-    def open(self, request_ids: list[str]) -> list[int] | None:
-        """Slots for new requests, or None when there are not enough free slots (a
-        backend that opens them in its step answers their items NOT_OPENED instead)."""
-        ...
-
-    def step(self, plan: Plan) -> Outcome: ...
-
-
 class Live:
     """A request in the scheduler: waiting, running or about to be released.
     ``computed``: tokens whose K/V are written; ``alloced``: the allocator's alloced_len;
-    ``target``: the prefill length (the prompt; after a preemption, all it had)."""
+    ``target``: the prefill length (the prompt; after a preemption, all it had);
+    ``tokens[:known]``: its tokens so far, the prompt then what the model sampled
+    (``known > computed`` once its prompt is computed: the next token to compute)."""
 
     __slots__ = (
         "accept",
@@ -101,20 +66,23 @@ class Live:
         "alloced",
         "cached_pages",
         "computed",
+        "known",
         "matched",
         "not_before",
         "preemptions",
-        "prefix",
         "req",
         "slot",
         "target",
+        "tokens",
         "truncate_to",
     )
 
     def __init__(self, req: SimRequest, accept: Acceptance) -> None:
         self.req = req
         self.accept = accept
-        self.prefix: np.ndarray | None = None
+        self.tokens = np.zeros(req.total_len, dtype=np.int32)
+        self.tokens[: req.prompt_len] = req.tokens[: req.prompt_len]
+        self.known = req.prompt_len
         self.slot = 0
         self.computed = self.alloced = self.matched = self.cached_pages = 0
         self.target = req.prompt_len
@@ -122,6 +90,9 @@ class Live:
         self.preemptions = 0
         self.not_before = 0
         self.truncate_to = -1
+
+
+Item = tuple[Live, int, int]  # (request, kind, a number: its need; drafts or tokens once computing)
 
 
 @dataclasses.dataclass(slots=True)
@@ -148,23 +119,27 @@ class Counters:
 
 
 class Scheduler:
-    """One worker's scheduler over ``backend``; ``memory`` None: no K/V written or checked
-    (the baseline). ``corrupt``: test hook, change one written value of the first
-    finished request before its check (the check must catch it)."""
+    """One worker's scheduler over ``backend``, computing with ``model`` (one forward
+    pass per Step). ``read_back``: checks each request's K/V before its release (the
+    model that wrote them; None: no check, as in the baseline). ``corrupt``: test hook,
+    change one written value of the first finished request before its check (the check
+    must catch it)."""
 
     def __init__(
         self,
         backend: Backend,
-        memory: KVMemory | None,
+        model: Model,
         spec: WorkloadSpec,
         worker: int,
         *,
         max_running: int,
         chunk_tokens: int,
+        read_back: ReadBack | None = None,
         corrupt: bool = False,
     ) -> None:
         self.backend = backend
-        self.memory = memory
+        self.model = model
+        self.read_back = read_back
         self.spec = spec
         self.worker = worker
         self.max_running = max_running
@@ -184,6 +159,8 @@ class Scheduler:
         self._pressure = False
         self._slots_back_at = 0  # no Open before this iteration: the server's request slots ran out
         self._open_limit = max_running  # new requests per Open (halved while slots are short)
+        self._admitted: list[Admission] = []  # for the next forward: requests given a row...
+        self._released: list[str] = []  # ...and released, since the last
 
     def stop_arrivals(self) -> None:
         """No more requests arrive (a run by duration ends); those arrived finish."""
@@ -218,7 +195,7 @@ class Scheduler:
                 plan.truncate_lens.append(live.truncate_to)
                 live.alloced, live.truncate_to = live.truncate_to, -1
             if live.computed <= live.target and live.computed // self.ps > live.cached_pages:
-                plan.cache.append((live.slot, live.req.tokens[: live.computed]))
+                plan.cache.append((live.slot, live.tokens[: live.computed]))
                 live.cached_pages = live.computed // self.ps
         items = self._allocs(plan)
         if not (items or plan.release_slots):
@@ -230,7 +207,9 @@ class Scheduler:
         c.steps += 1
         c.step_seconds += seconds
         self.latencies.append(seconds)
-        self._apply(out, items)
+        batch, computing, refused, oom = self._batch(out, items)
+        self._advance(batch, self._forward(batch), computing)
+        self._after(refused, oom)
         self.it += 1
 
     def _arrive(self) -> None:
@@ -255,13 +234,11 @@ class Scheduler:
     def _check_and_release(self, live: Live, plan: Plan, may_corrupt: bool) -> None:
         """Read the request back through its block-table row and check every position it
         computed, then release it with those tokens (its full pages enter the cache)."""
-        if self.memory is not None and live.computed:
-            assert live.prefix is not None
+        if self.read_back is not None and live.computed:
             if self.corrupt and may_corrupt and live.computed > live.target:
-                self.memory.corrupt(live.slot, live.computed - 1)  # a page of its own, never cached
+                self.read_back.corrupt(live.slot, live.computed - 1)  # a page of its own, never cached
                 self.corrupt = False
-            h = self.memory.pattern.hashes(live.prefix[: live.computed], 0)
-            num_pages, bad = self.memory.check(live.slot, h)
+            num_pages, bad = self.read_back.check(live.req.rid, live.slot, live.computed)
             if bad is not None:
                 origin = "attached from the prefix cache" if bad.position < live.matched else "allocated to it"
                 raise SimulationFailure(
@@ -275,12 +252,13 @@ class Scheduler:
             c.verified_tokens += live.computed
             c.verified_pages += num_pages
         plan.release_slots.append(live.slot)
-        plan.release_tokens.append(live.req.tokens[: live.computed])
+        plan.release_tokens.append(live.tokens[: live.computed])
+        self._released.append(live.req.rid)
 
-    def _allocs(self, plan: Plan) -> list[tuple[Live, int, int]]:
+    def _allocs(self, plan: Plan) -> list[Item]:
         """The iteration's alloc items, within the token budget: decodes, then prefill
         chunks, then admissions. Returns ``(request, kind, need)`` per item."""
-        items: list[tuple[Live, int, int]] = []
+        items: list[Item] = []
         budget = self.chunk_tokens
         for live in self.running:
             if live.computed >= live.target:
@@ -300,7 +278,7 @@ class Scheduler:
             items += self._admit(plan, budget)
         return items
 
-    def _admit(self, plan: Plan, budget: int) -> list[tuple[Live, int, int]]:
+    def _admit(self, plan: Plan, budget: int) -> list[Item]:
         new: list[Live] = []
         while (
             self.waiting
@@ -325,9 +303,7 @@ class Scheduler:
         for live, slot in zip(new, slots, strict=True):
             live.slot = slot
             live.admitted = self.it
-            if live.prefix is None and self.memory is not None:
-                live.prefix = self.memory.pattern.prefix_values(live.req.tokens)
-            tokens = live.req.tokens[: live.target]
+            tokens = live.tokens[: live.target]
             plan.match.append((slot, tokens, live.target - 1))
             need = min(live.target, max(budget, 1))  # counts from 0: the match covers its start
             budget -= need
@@ -346,17 +322,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the answer
 
-    def _apply(self, out: Outcome, items: list[tuple[Live, int, int]]) -> None:
+    def _batch(self, out: Outcome, items: list[Item]) -> tuple[ForwardBatch, list[Item], list[Live], int]:
+        """The Step's answer as the forward pass it asks for: per alloc that got its
+        token slots, the tokens to compute there (a decode's drafts drawn here). Returns
+        the batch, ``(request, kind, drafts or tokens)`` per request in it, the
+        admissions not opened and the allocs out of pages."""
         c = self.counters
-        status = out.status
-        offsets = out.offsets
-        locs: list[np.ndarray] = []
-        hashes: list[np.ndarray] = []
+        status = out.status.tolist()
+        offsets = out.offsets.tolist()
         matched = iter(out.match_lens.tolist())
-        oom = 0
+        builder = BatchBuilder()
+        computing: list[Item] = []
         refused: list[Live] = []
+        oom = 0
         for i, (live, kind, need) in enumerate(items):
-            s = int(status[i])
+            s = status[i]
             if kind == ADMIT:
                 m = next(matched)
                 if s == NOT_OPENED:  # not admitted after all: nothing of it reached the server
@@ -367,6 +347,7 @@ class Scheduler:
                 live.cached_pages = m // self.ps
                 c.prefix_query_tokens += max(live.target - 1, 0)
                 c.prefix_hit_tokens += m
+                self._admitted.append(Admission(live.req.rid, live.req.tokens))
             if s == OUT_OF_PAGES:
                 oom += 1
                 continue
@@ -375,32 +356,82 @@ class Scheduler:
                     f"worker {self.worker}: alloc of {need} tokens for request {live.req.rid} (alloced "
                     f"{live.alloced}, max {self.spec.max_len}) failed with status {s}, not OUT_OF_PAGES"
                 )
-            got = int(offsets[i + 1] - offsets[i])
+            got = offsets[i + 1] - offsets[i]
             start = live.computed
+            loc = out.kv_loc[offsets[i] : offsets[i + 1]] if out.kv_loc is not None else None
+            live.alloced += got
             if kind == DECODE:
-                k = need - 1
-                accepted = live.accept.draw(k)
-                c.decode_tokens += 1 + accepted
-                c.draft_tokens += k
-                c.rejected_tokens += k - accepted
-                live.alloced += got
-                live.computed = start + 1 + accepted
-                if accepted < k:
-                    live.truncate_to = live.computed
-                h = self._draft_hashes(live, start, k, accepted)
+                k = need - 1  # drafts: the workload's, the first ones its acceptance draw says right
+                tokens = live.tokens[start : start + 1]
+                if k > 0:
+                    tokens = np.concatenate([tokens, drafts(live.req, start, k, live.accept.draw(k))])
+                builder.add(live.req.rid, live.slot, start, tokens, loc, 1 + k)
+                computing.append((live, DECODE, k))
             else:
-                c.prefill_tokens += got
-                live.alloced += got
-                live.computed += got
-                h = self._hashes(live, start, got)
-            if out.kv_loc is not None and h is not None:
-                locs.append(out.kv_loc[offsets[i] : offsets[i + 1]])
-                hashes.append(h)
-            if live.computed >= live.req.total_len:
+                last = 1 if start + got == live.target else 0  # the prompt's end: sample the next token
+                builder.add(live.req.rid, live.slot, start, live.tokens[start : start + got], loc, last)
+                computing.append((live, PREFILL, got))
+        batch = builder.build(self._admitted, self._released, out.kv_loc is not None)
+        self._admitted, self._released = [], []
+        return batch, computing, refused, oom
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
+        try:
+            output = self.model.forward(batch)
+        except Exception as exc:  # the model's own error: the worker fails, saying where
+            raise ModelFailure(
+                f"the model's forward pass failed at iteration {self.it} "
+                f"({batch.describe()}): {type(exc).__name__}: {exc}"
+            ) from exc
+        num_samples = int(batch.sample_offsets[-1])
+        if output.next_tokens.shape != (num_samples,):
+            raise ModelFailure(
+                f"the model answered next tokens of shape {tuple(output.next_tokens.shape)} "
+                f"at iteration {self.it} for {num_samples} sampled positions ({batch.describe()})"
+            )
+        return output
+
+    def _advance(self, batch: ForwardBatch, output: ForwardOutput, computing: list[Item]) -> None:
+        """The requests after the forward pass: tokens computed, drafts accepted as far
+        as the samples confirm them (the rest truncated next iteration), the samples
+        appended to their tokens; those at their end finish."""
+        c = self.counters
+        sampled = output.next_tokens
+        samples = batch.sample_offsets.tolist()
+        offsets = batch.offsets.tolist()
+        for j, (live, kind, n) in enumerate(computing):
+            start = live.computed
+            total = live.req.total_len
+            if kind == DECODE:
+                mine = sampled[samples[j] : samples[j + 1]]
+                accepted = 0
+                if n:
+                    drafts = batch.token_ids[offsets[j] + 1 : offsets[j + 1]]
+                    wrong = np.flatnonzero(drafts != mine[:n])
+                    accepted = int(wrong[0]) if wrong.size else n
+                c.decode_tokens += 1 + accepted
+                c.draft_tokens += n
+                c.rejected_tokens += n - accepted
+                live.computed = start + 1 + accepted
+                if accepted < n:
+                    live.truncate_to = live.computed
+                new = min(accepted + 1, total - start - 1)  # none past the request's end
+                live.tokens[start + 1 : start + 1 + new] = mine[:new]
+                live.known = start + 1 + new
+            else:
+                c.prefill_tokens += n
+                live.computed += n
+                if samples[j + 1] > samples[j] and live.known == live.computed < total:
+                    live.tokens[live.computed] = sampled[samples[j]]
+                    live.known += 1
+            if live.computed >= total:
                 self.running.remove(live)
                 self.finishing.append(live)
-        if self.memory is not None and locs:
-            self.memory.write(np.concatenate(locs), np.concatenate(hashes))
+
+    def _after(self, refused: list[Live], oom: int) -> None:
+        """Admissions not opened wait; on OUT_OF_PAGES the youngest running request is
+        preempted (released next iteration) and admissions pause."""
+        c = self.counters
         if refused:
             self._not_opened(refused)
         c.out_of_pages += oom
@@ -410,22 +441,3 @@ class Scheduler:
             self.running.remove(victim)
             self.preempting.append(victim)
             c.preemptions += 1
-
-    def _hashes(self, live: Live, start: int, n: int) -> np.ndarray | None:
-        if self.memory is None or live.prefix is None:
-            return None
-        return self.memory.pattern.hashes(live.prefix[start : start + n], start)
-
-    def _draft_hashes(self, live: Live, start: int, k: int, accepted: int) -> np.ndarray | None:
-        """Hashes of positions ``start .. start + k``: the request's own tokens up to
-        ``start + accepted``, then rejected drafts (other tokens: their K/V is of another
-        sequence, and is truncated next iteration)."""
-        if self.memory is None or live.prefix is None:
-            return None
-        good = live.prefix[start : start + 1 + accepted]
-        if accepted == k:
-            return self.memory.pattern.hashes(good, start)
-        first_bad = start + 1 + accepted
-        wrong = live.req.tokens[first_bad : start + 1 + k] + 1
-        v = self.memory.pattern.extend(live.prefix[first_bad - 1], wrong, first_bad)
-        return self.memory.pattern.hashes(np.concatenate([good, v]), start)

@@ -1,18 +1,19 @@
-"""A ``kvmem simulate`` worker process: one scheduler (:mod:`.simulate_scheduler`) on
-kvmem's batched client (``--api client``) or on the drop-in for the reference
-allocator's users (``--api compat``, :mod:`.simulate_compat`), writing and checking K/V
-through the mapped memory.
+"""A ``kvmem simulate`` worker process: one scheduler (:mod:`.scheduler`) on kvmem's
+batched client (``--api client``) or on the drop-in for the reference allocator's users
+(``--api compat``, :mod:`.compat_driver`), its model (:mod:`.model`; the synthetic one
+unless the config names another) writing K/V through the mapped memory, and checking it.
 
 The command (``kvmem.engine.run``) starts these with multiprocessing's spawn and
 reads their messages from a queue, each a dict with a ``kind``:
 
 * ``ready``: attached and mapped; the worker waits for the ``go`` event;
-* ``progress``: the cumulative :class:`~.simulate_scheduler.Counters`, the Step
+* ``progress``: the cumulative :class:`~.scheduler.Counters`, the Step
   latencies since the last message (seconds), requests running and waiting, the
   allocator's round trips to the server (Steps and Opens);
 * ``done``: the last progress, the workload digest, ``stopped`` if told to stop early;
 * ``failure``: a page read back wrong (the message names the request, page and
-  position); ``error``: anything else that ended the worker (a traceback).
+  position); ``error``: anything else that ended the worker (a line for what a user can
+  act on, or the model's failure, then its traceback; a traceback for a bug).
 
 This module imports only the client: a worker is a client like any scheduler.
 """
@@ -27,11 +28,14 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .scheduler import Outcome, Plan, Scheduler, SimulationFailure
+from .backend import Outcome, Plan
+from .model import Model, ModelFailure, ReadBack, SyntheticModel
+from .scheduler import Scheduler, SimulationFailure
 from .workload import WorkloadSpec
 
 if TYPE_CHECKING:
     from .compat_driver import CompatBackend
+    from .kv_check import KVMemory
 
 NAMESPACE = "kvmem-simulate-1"  # the prefix-cache namespace: only simulate's own K/V pattern in it
 
@@ -53,11 +57,14 @@ class Flag(Protocol):
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One worker's run. ``duration_s``: arrivals stop after this long (None: the
-    workload's request count ends the run); ``forward_s``: the model's forward pass
-    per iteration, slept after each Step (the scheduler's own work comes on top, as in an
-    engine that schedules between forward passes); ``corrupt``: the test hook of
-    :class:`~.simulate_scheduler.Scheduler`; ``api``: ``client`` (the batched client)
-    or ``compat`` (the drop-in)."""
+    workload's request count ends the run); ``forward_s``: the synthetic model's forward
+    pass per iteration, slept after it writes the K/V (the scheduler's own work comes on
+    top, as in an engine that schedules between forward passes); ``corrupt``: the test
+    hook of :class:`~.scheduler.Scheduler`; ``api``: ``client`` (the batched client) or
+    ``compat`` (the drop-in); ``model``: builds the worker's model from its mapped KV
+    memory (picklable: a module-level function; None: :class:`~.model.SyntheticModel`);
+    a model that is a :class:`~.model.ReadBack` has each request checked before its
+    release."""
 
     target: str
     auth_token: str | None
@@ -71,6 +78,7 @@ class WorkerConfig:
     report_interval_s: float = 0.25
     corrupt: bool = False
     api: str = "client"
+    model: Callable[[KVMemory], Model] | None = None
 
 
 class KVMemBackend:
@@ -142,14 +150,11 @@ def drive(
         if arriving and config.duration_s is not None and now - start >= config.duration_s:
             sched.stop_arrivals()
             arriving = False
-        steps = sched.counters.steps
         try:
-            sched.iteration()
+            sched.iteration()  # its Step, then its model's forward pass
         except SimulationFailure as failure:
             messages.put(progress(sched, now - start, "failure", message=str(failure), **extra()))
             return
-        if config.forward_s and sched.counters.steps > steps:
-            time.sleep(config.forward_s)
         if now - last >= config.report_interval_s:
             messages.put(progress(sched, now - start, **extra()))
             last = now
@@ -194,30 +199,36 @@ def _run(
     go: Flag,
     stop: Flag,
 ) -> None:
-    """The scheduler on ``backend``, writing through ``kv``'s mapped memory and reading
-    back through ``block_table``."""
+    """The scheduler on ``backend``, its model writing through ``kv``'s mapped memory
+    and reading back through ``block_table``."""
     from .kv_check import KVMemory, planes_of
 
     mapped = kv.memory
     planes = planes_of([mapped.kv_cache(rank) for rank in range(mapped.num_ranks)])
     memory = KVMemory(planes, block_table, backend.page_size)
+    model = config.model(memory) if config.model is not None else SyntheticModel(memory, config.forward_s)
     sched = Scheduler(
         backend,
-        memory,
+        model,
         config.spec,
         config.worker,
         max_running=config.max_running,
         chunk_tokens=config.chunk_tokens,
+        read_back=model if isinstance(model, ReadBack) else None,
         corrupt=config.corrupt,
     )
     drive(sched, config, messages, go, stop, lambda: {"api": config.api, "round_trips": backend.round_trips})
 
 
 def _describe(exc: BaseException) -> str:
-    """One line for the errors a user can act on (the server went away, a refusal);
-    the traceback for anything else (a bug)."""
+    """One line for the errors a user can act on (the server went away, a refusal); the
+    model's failure in a line, then the traceback of what it raised; the traceback for
+    anything else (a bug)."""
     from kvmem.client.errors import KVMemError
 
     if isinstance(exc, KVMemError):
         return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ModelFailure):
+        cause = exc.__cause__
+        return f"{exc}" + ("\n" + "".join(traceback.format_exception(cause)).rstrip() if cause is not None else "")
     return "".join(traceback.format_exception(exc)).rstrip()

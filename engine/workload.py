@@ -142,3 +142,11 @@ class Acceptance:
             return 0
         rejected = np.flatnonzero(self._rng.random(k) >= self._p)
         return int(rejected[0]) if rejected.size else k
+
+
+def drafts(request: SimRequest, start: int, k: int, accepted: int) -> np.ndarray:
+    """The ``k`` drafts the workload proposes after position ``start`` of ``request``:
+    its own next ``accepted`` tokens (an :class:`Acceptance` draw), then others (each
+    token + 1: another sequence, which a model sampling the request's tokens rejects)."""
+    right = request.tokens[start + 1 : start + 1 + accepted]
+    return np.concatenate([right, request.tokens[start + 1 + accepted : start + 1 + k] + 1])

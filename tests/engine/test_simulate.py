@@ -53,7 +53,9 @@ def simulate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 def reference_path() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(here))), "shared", "reference", "seed_kv_allocator.py")
+    return os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(here))), "shared", "reference", "seed_kv_allocator.py"
+    )
 
 
 # ------------------------------------------------------------------ in-process
