@@ -13,6 +13,9 @@ view of the block table.
 * :class:`ReqToPage`: ``req_to_page[req]``, ``req_to_page[reqs_tensor]``,
   ``req_to_page[req, a:b]``: rows of the server's block table, request indices mapped to
   kvmem slots. No copy of the table: a gather of the rows asked for, O(rows).
+
+Underneath, the results of one Step share a :class:`Ticket`: one assignment of the
+answered Step (a :class:`StepView`) or of its error resolves them all.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class KVLocResult:
     failed as a whole, reading the result raises that error.
     """
 
-    __slots__ = ("_i", "_ticket", "req_pool_index")
+    __slots__ = {"_i": "", "_ticket": "", "req_pool_index": "The request index the alloc was made for."}
 
     def __init__(self, req_pool_index: int, ticket: Ticket, i: int) -> None:
         self.req_pool_index = req_pool_index
@@ -193,7 +196,11 @@ class PendingInt:
     """An int known at the end of the iteration block: ``match_prefix``'s tokens matched,
     ``cache_request``'s pages switched. ``int(result)`` (or ``value``) once resolved."""
 
-    __slots__ = ("_error", "_value", "what")
+    __slots__ = {
+        "_error": "",
+        "_value": "",
+        "what": "The call it answers, for messages (``match_prefix of request index 3``).",
+    }
 
     def __init__(self, what: str) -> None:
         self.what = what
@@ -213,6 +220,7 @@ class PendingInt:
 
     @property
     def value(self) -> int:
+        """The int; RuntimeError before the block's end, its Step's error if that failed."""
         if self._value is None:
             if self._error is not None:
                 raise self._error
@@ -237,13 +245,14 @@ class PendingInt:
 class Iteration:
     """One iteration block: the ``alloc`` results in call order; after the block,
     ``collect()`` and ``failed``. ``num_round_trips``: the calls its end made (the Open
-    of requests seen for the first time, if any, and the Step)."""
+    of requests seen for the first time, if any, and the Step). Made by the allocator
+    (``ticket``: the block's Step, which its results wait for too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ticket: Ticket | None = None) -> None:
         self.results: list[KVLocResult] = []
         self.num_round_trips = 0
-        self._view: StepView | None = None
         self.ended = False
+        self._ticket = Ticket() if ticket is None else ticket
 
     def collect(self) -> torch.Tensor:
         """Every successful alloc's ``kv_loc`` concatenated in call order (failed allocs
@@ -251,9 +260,10 @@ class Iteration:
         answer, no per-item work."""
         if not self.ended:
             raise RuntimeError(f"collect() {_NOT_YET}")
-        if self._view is None:
+        view = self._ticket.view
+        if view is None:
             return torch.empty(0, dtype=torch.int32)
-        return self._view.kv_loc
+        return view.kv_loc
 
     @property
     def failed(self) -> list[KVLocResult]:
@@ -277,6 +287,7 @@ class ReqToPage:
 
     @property
     def shape(self) -> torch.Size:
+        """(request indices, pages per row): the reference's ``req_to_page.shape``."""
         return torch.Size((self._slot_of.numel(), self._table().shape[1]))
 
     def _slots(self, rows: Any, table: torch.Tensor) -> Any:
