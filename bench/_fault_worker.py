@@ -7,7 +7,7 @@ this process, the request and the token's position, so any byte found different 
 was written by someone else (and says by whom). Every ``--verify-every`` steps, and
 before a request is released, it reads back all its written tokens and compares.
 
-The two disciplines it follows, as a scheduler must (README, DESIGN §6):
+The two disciplines it follows, as a scheduler must (docs/DESIGN.md, Leases and fencing; docs/OPERATIONS.md, Fencing):
 
 - write only right after checking that ``kv.lease_remaining()`` is comfortably
   positive (``--margin-ms``); a failed check skips the write and drops the requests

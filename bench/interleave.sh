@@ -9,7 +9,7 @@
 #        bash bench/interleave.sh /tmp/before /tmp/bv/bin/python . .venv/bin/python core 3 \
 #            --reference "$PWD/../shared/reference/seed_kv_allocator.py"
 #
-# BENCH is core, rpc or memory (bench/BENCH_bench.py). Give the reference's absolute path:
+# BENCH is core, rpc, prefix, memory or compat (bench/BENCH_bench.py). Give the reference's absolute path:
 # a worktree elsewhere has no ../shared beside it. Each run's table and JSON go to
 # $OUT (default: a new temporary folder); the ratio lines of every run are printed at the end.
 set -euo pipefail
@@ -26,8 +26,13 @@ for i in $(seq 1 "$runs"); do
   for side in A B; do
     if [ $side = A ]; then tree=$a_tree; py=$a_py; else tree=$b_tree; py=$b_py; fi
     log="$out/${bench}_${side}_$i"
-    (cd "$tree" && "$py" "bench/${bench}_bench.py" --json "$log.json" "$@" > "$log.txt" 2>&1) \
-      || { echo "run $i of $side failed: $log.txt" >&2; exit 1; }
+    if [ "$bench" = compat ]; then  # its --json is a switch: the JSON on stdout instead of the table
+      (cd "$tree" && "$py" "bench/${bench}_bench.py" --json "$@" > "$log.json" 2> "$log.txt") \
+        || { echo "run $i of $side failed: $log.txt" >&2; exit 1; }
+    else
+      (cd "$tree" && "$py" "bench/${bench}_bench.py" --json "$log.json" "$@" > "$log.txt" 2>&1) \
+        || { echo "run $i of $side failed: $log.txt" >&2; exit 1; }
+    fi
     echo "[$(date +%T)] run $i of $side ($tree) done"
   done
 done
@@ -38,7 +43,8 @@ for side in ("A", "B"):
     for i in range(1, runs + 1):
         with open(f"{out}/{bench}_{side}_{i}.json") as f:
             report = json.load(f)
-        ratios = [f"{s['scenario']} {s['ratio']:.3g}" for s in report["scenarios"] if s.get("ratio") is not None]
+        scenarios = report.get("scenarios", [report])  # compat's report is its one scenario
+        ratios = [f"{s['scenario']} {s['ratio']:.3g}" for s in scenarios if s.get("ratio") is not None]
         print(f"{side} run {i}: " + ", ".join(ratios))
 PY
 echo "tables and JSON in $out"

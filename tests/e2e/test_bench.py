@@ -2,7 +2,7 @@
 
 A few repetitions each, as real processes (the RPC benchmark starts its own servers
 and client processes). No figure is asserted: speed is measured by running the
-benchmarks themselves (README, "Performance"), never by a timed test. What these
+benchmarks themselves (docs/PERFORMANCE.md), never by a timed test. What these
 tests hold is that a benchmark cannot rot unnoticed: each one checks its results
 (kv_loc against its own block table and the reference allocator's, pages given back
 exactly once, audits) and exits 2 when a check fails.

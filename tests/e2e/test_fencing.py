@@ -1,4 +1,4 @@
-"""Fencing (DESIGN §6): a process that slept through its lease never writes into pages
+"""Fencing (docs/DESIGN.md, Leases and fencing): a process that slept through its lease never writes into pages
 another session now holds.
 
 The server side: a session whose lease lapses while its connection stays open has its
@@ -62,7 +62,7 @@ def test_a_page_both_free_and_quarantined_is_a_broken_invariant() -> None:
 
 
 def test_a_lapsed_session_is_quarantined_until_its_stream_goes_or_the_period_passes() -> None:
-    sessions = Sessions(CoreConfig(9, 4, 4, 32), lease_s=1.0, quarantine_s=5.0)
+    sessions = Sessions(KVCore(CoreConfig(9, 4, 4, 32)), lease_s=1.0, quarantine_s=5.0)
     a, b = sessions.attach("a", None), sessions.attach("b", None)
     for s in (a, b):
         slots = sessions.open(s.session_id, ["r"])

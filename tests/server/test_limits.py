@@ -358,7 +358,28 @@ def test_sessions_beyond_max_sessions_are_resource_exhausted(tmpdir_short: str) 
 
 def test_sessions_refuse_a_max_sessions_below_1() -> None:
     with pytest.raises(ValueError, match="max_sessions"):
-        Sessions(CoreConfig(9, 4, 2, 16), 1.0, max_sessions=0)
+        Sessions(KVCore(CoreConfig(9, 4, 2, 16)), 1.0, max_sessions=0)
+
+
+def test_sessions_refuse_a_core_that_writes_another_block_table_than_the_memory() -> None:
+    """The server builds the core over its memory's block table and gives both to the
+    sessions layer, which syncs the rows each step changes: a core writing a table of
+    its own would leave the memory's stale."""
+
+    class Memory:
+        block_table = np.zeros(CoreConfig(9, 4, 2, 16).block_table_shape, dtype=np.int32)
+        syncs_rows = True
+
+        def sync_rows(self, rows: np.ndarray) -> None:
+            raise AssertionError("no step runs")
+
+    with pytest.raises(ValueError, match="block table"):
+        Sessions(KVCore(CoreConfig(9, 4, 2, 16)), 1.0, Memory())
+    memory = Memory()
+    assert (
+        Sessions(KVCore(CoreConfig(9, 4, 2, 16), memory.block_table), 1.0, memory).core.block_table
+        is memory.block_table
+    )
 
 
 # --------------------------------------------------------------- message size
@@ -470,11 +491,11 @@ def test_audit_finds_a_stale_request_id() -> None:
     assert "closed request slots keep a request id: [3]" in problems
 
 
-def test_limits_are_documented_in_the_readme() -> None:
+def test_limits_are_documented_in_operations() -> None:
     import pathlib
 
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Limits", 1)[1].split("\n## ", 1)[0]
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()
+    section = readme.split("\n## Limits", 1)[1].split("\n## ", 1)[0]
     for fragment in ("256 bytes", "max_requests", "--max-sessions", "1024", "256 MiB", "RESOURCE_EXHAUSTED"):
         assert fragment in section, fragment
     assert re.search(r"refus\w+ .*summar", section, re.S)
