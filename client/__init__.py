@@ -6,10 +6,16 @@
         result = kv.alloc(slots, [512, 300])          # one round trip
         kv_loc = result.kv_loc_of(0)                  # torch.int32 token slots
 
-``AsyncKVMemClient`` offers the same methods for asyncio (both are
-``kvmem.client.session``'s logic, one blocking, one awaited). Errors are the classes in
-``kvmem.client.errors``, their ``reason`` the proto's ErrorReason; sync and asyncio
-raise the same ones.
+``AsyncKVMemClient`` offers the same methods for asyncio: each method of either client is
+one line over the ``kvmem.client.session.Session`` builder of its call (one blocking,
+one awaited), so both send the same requests, return the same results and raise the
+same errors: the classes below, their ``reason`` the proto's closed ErrorReason. Each
+method's docstring says what it costs and what it raises. What both clients share (the
+constructor's arguments, the session's attributes, the lease, the memory views) is
+``kvmem.client.base.ClientBase``'s.
+
+This reference is made from the docstrings by pdoc: ``.venv/bin/python docs/build_api.py``
+writes it to ``build/api/``.
 """
 
 import importlib

@@ -1,8 +1,11 @@
-"""The asyncio client: the methods of :class:`~kvmem.client.sync.KVMemClient`,
+"""The asyncio client: the methods of :class:`kvmem.client.KVMemClient`,
 awaitable, with the keep-alive as a task on the caller's loop.
 
-Every method and all the session logic are :class:`~kvmem.client.session.ClientBase`'s
-and :class:`~kvmem.client.session.Session`'s; this module awaits the calls.
+Each method is written out here, with its full signature, and is one line over the
+:class:`kvmem.client.session.Session` builder of its call; its docstring (what it does,
+costs and raises) is the blocking client's method's, assigned under it so that it is
+written once. :class:`kvmem.client.base.ClientBase` holds what both clients share. This
+module awaits the calls.
 """
 
 from __future__ import annotations
@@ -10,30 +13,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import grpc
+import torch
 
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
-from .channel import BIG_REQUEST_BYTES, TLSError, deadline_exceeded
+from .base import ClientBase
+from .channel import deadline_exceeded
 from .errors import KVMemError, SessionLost
 from .events import AsyncEventStream, watch_request
-from .session import Call, Session
+from .session import Call
+from .step import NO_COLUMN, CacheItems, IntsLike, MatchItems, StepResult, TokenLists, TokensLike
 from .stepstream import AsyncStepStream
-from .surface import Awaiting, ClientBase
+from .sync import KVMemClient
 
 T = TypeVar("T")
-P = ParamSpec("P")
 
 
-class AsyncKVMemClient(ClientBase[Awaiting]):
+class AsyncKVMemClient(ClientBase):
     """A session with a kvmem server, for asyncio schedulers.
 
     ``client = await AsyncKVMemClient.connect(target, name=...)`` or
     ``async with AsyncKVMemClient(target, name=...) as client:``; the constructor takes
-    the arguments of :class:`~kvmem.client.sync.KVMemClient`'s and attaches nothing.
+    the arguments of :class:`kvmem.client.KVMemClient`'s (see
+    :class:`kvmem.client.base.ClientBase`) and attaches nothing. Its methods are the
+    blocking client's, awaitable, with the same results, costs and errors; a call
+    before the attach raises ``RuntimeError``.
     """
 
     _stub: kvmem_pb2_grpc.KVMemoryStub  # set by attach(): no call is built before it
@@ -46,12 +54,14 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
 
     @classmethod
     async def connect(cls, target: str, **kwargs: Any) -> AsyncKVMemClient:
+        """A client of ``target``, attached: ``cls(target, **kwargs)``, then :meth:`attach`."""
         client = cls(target, **kwargs)
         await client.attach()
         return client
 
     async def attach(self) -> None:
-        """Open the channel and attach; the keep-alive task starts on this loop."""
+        """Open the channel and attach; the keep-alive task starts on this loop. Raises
+        what the blocking client's constructor raises (see :class:`kvmem.client.KVMemClient`)."""
         self._channel = self._transport.aio_channel()
         self._stub = kvmem_pb2_grpc.KVMemoryStub(self._channel)
         started = time.monotonic()
@@ -61,7 +71,7 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
                     await self._perform(self._session.attach())
                     break
                 except KVMemError as err:
-                    delay = None if isinstance(err, TLSError) else self._session.attach_retry(err, started)
+                    delay = self._session.attach_retry(err, started)
                     if delay is None:
                         raise
                     await asyncio.sleep(delay)
@@ -72,35 +82,79 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
         if self._session.keepalive:
             self._keepalive_task = asyncio.create_task(self._keepalive(), name="kvmem-keepalive")
 
-    async def _invoke(
-        self, build: Callable[Concatenate[Session, P], Call[T]], /, *args: P.args, **kwargs: P.kwargs
-    ) -> T:
-        return await self._perform(build(self._session, *args, **kwargs))
+    # ------------------------------------------------------------- the calls
+
+    async def open(self, request_ids: list[str], *, timeout: float | None = None) -> torch.Tensor:
+        return await self._perform(self._session.open(request_ids, timeout=timeout))
+
+    open.__doc__ = KVMemClient.open.__doc__
+
+    async def step(
+        self, *, release_slots: IntsLike = NO_COLUMN, truncate_slots: IntsLike = NO_COLUMN,
+        truncate_lens: IntsLike = NO_COLUMN, alloc_slots: IntsLike = NO_COLUMN, alloc_needs: IntsLike = NO_COLUMN,
+        alloc_expected_lens: IntsLike | None = None, atomic: bool = False, release_token_ids: TokenLists | None = None,
+        cache: CacheItems | None = None, match: MatchItems | None = None, timeout: float | None = None,
+    ) -> StepResult:  # fmt: skip
+        return await self._perform(self._session.step(release_slots=release_slots, truncate_slots=truncate_slots,
+            truncate_lens=truncate_lens, alloc_slots=alloc_slots, alloc_needs=alloc_needs,
+            alloc_expected_lens=alloc_expected_lens, atomic=atomic, release_token_ids=release_token_ids,
+            cache=cache, match=match, timeout=timeout))  # fmt: skip
+
+    step.__doc__ = KVMemClient.step.__doc__
+
+    async def alloc(self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *,
+        atomic: bool = False, timeout: float | None = None) -> StepResult:  # fmt: skip
+        return await self._perform(self._session.alloc(slots, needs, expected_lens, atomic=atomic, timeout=timeout))
+
+    alloc.__doc__ = KVMemClient.alloc.__doc__
+
+    async def truncate(self, slots: IntsLike, new_lens: IntsLike, *, timeout: float | None = None) -> StepResult:
+        return await self._perform(self._session.truncate(slots, new_lens, timeout=timeout))
+
+    truncate.__doc__ = KVMemClient.truncate.__doc__
+
+    async def release(self, slots: IntsLike, token_ids: TokenLists | None = None, *,
+        timeout: float | None = None) -> StepResult:  # fmt: skip
+        return await self._perform(self._session.release(slots, token_ids, timeout=timeout))
+
+    release.__doc__ = KVMemClient.release.__doc__
+
+    async def match(self, slot: int, token_ids: TokensLike, max_tokens: int | None = None, *,
+        timeout: float | None = None) -> int:  # fmt: skip
+        return await self._perform(self._session.match(slot, token_ids, max_tokens, timeout=timeout))
+
+    match.__doc__ = KVMemClient.match.__doc__
+
+    async def cache(self, slot: int, token_ids: TokensLike, *, timeout: float | None = None) -> int:
+        return await self._perform(self._session.cache(slot, token_ids, timeout=timeout))
+
+    cache.__doc__ = KVMemClient.cache.__doc__
+
+    async def stats(self, *, audit: bool = False, timeout: float | None = None) -> kvmem_pb2.StatsResponse:
+        return await self._perform(self._session.stats(audit=audit, timeout=timeout))
+
+    stats.__doc__ = KVMemClient.stats.__doc__
+
+    async def detach(self, *, timeout: float | None = None) -> int:
+        return await self._perform(self._session.detach(timeout=timeout))
+
+    detach.__doc__ = KVMemClient.detach.__doc__
 
     async def _perform(self, call: Call[T]) -> T:
+        """Make ``call`` the way :meth:`kvmem.client.session.Session.route` says, and
+        hand its answer to the session to read."""
         try:
             try:
-                if call.method == "Step" and self._step_stream:
-                    stream = self._steps
-                    if stream is None or not stream.usable:
-                        if stream is not None:
-                            stream.close()
-                        stream = self._steps = AsyncStepStream(self._stub, self._session.metadata)
-                    response = self._session.streamed(await stream.step(call.request, call.timeout))
+                route = self._session.route(call)
+                if route == "stream":
+                    response = self._session.streamed(await self._stream_step(call))
+                elif route == "bounded":
+                    response = await self._bounded(call)
                 else:
                     rpc = getattr(self._stub, call.method)
-                    pending = rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
-                    if call.request.ByteSize() > BIG_REQUEST_BYTES:  # bounded by the client too: see channel.py
-                        try:
-                            async with asyncio.timeout(call.timeout):
-                                response = await pending
-                        except TimeoutError:
-                            pending.cancel()
-                            raise deadline_exceeded(call.method, call.timeout) from None
-                    else:
-                        response = await pending
+                    response = await rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
             except grpc.RpcError as err:
-                raise self._transport.error(self._session.failed(err), first=call.method == "Attach") from None
+                raise self._failure(call, err) from None
             return self._session.finish(call, response)
         except SessionLost:
             await self._stop_keepalive()  # over for this client: closing the stream tells the server it let go
@@ -110,24 +164,50 @@ class AsyncKVMemClient(ClientBase[Awaiting]):
                 await self._stop_keepalive()
                 self._close_steps()
 
+    async def _bounded(self, call: Call[T]) -> Any:
+        """A unary call with a big request, waited for no longer than its deadline (see
+        :data:`kvmem.client.channel.BIG_REQUEST_BYTES`): cancelled past it."""
+        pending = getattr(self._stub, call.method)(call.request, timeout=call.timeout, metadata=self._session.metadata)
+        try:
+            async with asyncio.timeout(call.timeout):
+                return await pending
+        except TimeoutError:
+            pending.cancel()
+            raise deadline_exceeded(call.method, call.timeout) from None
+
+    async def _stream_step(self, call: Call[T]) -> kvmem_pb2.StepResponse:
+        """``call`` on the step stream, opened (again) when there is none that works
+        (the stream drops itself when anything but an answer ends a step)."""
+        stream = self._steps
+        if stream is None or not stream.usable:
+            if stream is not None:
+                stream.close()
+            stream = self._steps = AsyncStepStream(self._stub, self._session.metadata)
+        return await stream.step(call.request, call.timeout)
+
     def _close_steps(self) -> None:
         stream, self._steps = self._steps, None
         if stream is not None:
             stream.close()
+
+    # ------------------------------------------------------------ the client
 
     def watch_events(self, from_seq: int = 0, epoch: str = "") -> AsyncEventStream:
         """The prefix cache's events from batch ``from_seq`` of ``epoch`` (empty: the
         server's current one) on, then live: ``async for batch in
         client.watch_events(...)`` yields ``kvmem.v1.KVEventBatch`` messages (see
         :mod:`kvmem.client.events`); ``close()`` it to cancel the call. It needs no
-        session, only the client's channel (open once attached)."""
+        session, only the client's channel (open once attached). Cost: one
+        server-streaming call on the client's channel, open until closed."""
         if self._channel is None:
             raise RuntimeError("not attached: the channel opens at attach()")
         request = watch_request(from_seq, epoch)
         return AsyncEventStream(self._stub.WatchEvents(request, metadata=self._session.metadata))
 
     async def close(self) -> None:
-        """Detach (if still attached) and close the channel. Idempotent."""
+        """Detach (if still attached: a Detach with a deadline of at most 2 s, whose
+        failure is ignored, since the session is gone either way) and close the channel.
+        Idempotent."""
         detach = self._session.close()
         try:
             if detach is not None:

@@ -81,7 +81,7 @@ class SessionLost(FailedPrecondition):
     this client is stale too. The client has dropped its own mappings; drop yours (any
     tensor from ``kv_cache()``, ``block_table``, ``memory``), so the old memory can be
     freed and a restarted server can allocate its pool, then re-attach, re-map and
-    re-open (README: "Recovering from a lost session")."""
+    re-open (docs/OPERATIONS.md, "Recovering from a lost session")."""
 
     views_stale: bool = False
 

@@ -37,8 +37,8 @@ class EventStream:
     """A blocking iterator of ``KVEventBatch`` messages over one WatchEvents call; it
     ends when :meth:`close` is called (which cancels the call; also on leaving a
     ``with`` block). A failure of the stream (the server shutting down: Unavailable)
-    raises the client's :class:`~kvmem.client.errors.KVMemError` of it (a
-    :class:`~kvmem.client.channel.TLSError` when its own channel, ``transport``, could
+    raises the client's :class:`kvmem.client.KVMemError` of it (a
+    :class:`kvmem.client.TLSError` when its own channel, ``transport``, could
     not connect for a reason of TLS)."""
 
     def __init__(self, call: Any, on_close: Any = None, transport: Transport | None = None) -> None:

@@ -35,6 +35,7 @@ from kvmem.v1 import kvmem_pb2
 __all__ = ["KVLayer", "MappedMemory", "MemoryMapError"]
 
 KVLayer = tuple[torch.Tensor, torch.Tensor] | torch.Tensor
+"""One layer's views: ``(k, v)``, each ``[num_tokens, kv_heads, head_dim]`` (mha), or the latent (mla)."""
 
 _DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int32")
 

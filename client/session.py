@@ -2,20 +2,19 @@
 
 :class:`Session` builds every request and reads every response and failure of one
 session, and does no I/O: attach, the calls, detach and close, the keep-alive's messages
-and what its end means, the epoch check, the lease fence, the error mapping.
-:class:`~kvmem.client.surface.ClientBase` is the method surface both clients expose;
-each method is an :class:`~kvmem.client.surface.Operation`: the Session builds the
-:class:`Call`, the client makes it, the Session reads the answer.
-:class:`~kvmem.client.sync.KVMemClient` makes calls blocking,
-:class:`~kvmem.client.aio.AsyncKVMemClient` awaits them; that is all they add.
+and what its end means, the epoch check, the lease fence, the error mapping, and how
+each call goes (:meth:`Session.route`). Each method of
+:class:`kvmem.client.KVMemClient` and :class:`kvmem.client.AsyncKVMemClient`
+is one line over the builder of the same name here: the Session builds the
+:class:`Call`, the client makes it (blocking, or awaited), the Session reads the answer.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, Literal, TypeVar
 
 import grpc
 import torch
@@ -23,16 +22,25 @@ from google.protobuf.message import Message
 
 from kvmem.v1 import kvmem_pb2
 
-from .channel import auth_metadata
+from .channel import BIG_REQUEST_BYTES, TLSError, auth_metadata
 from .errors import KVMemError, Reason, SessionLost, from_rpc_error, from_status
-from .step import NO_COLUMN, IntsLike, StepResult, TokensLike, add_column, prefix_columns
+from .step import (
+    NO_COLUMN,
+    CacheItems,
+    IntsLike,
+    MatchItems,
+    StepResult,
+    TokenLists,
+    TokensLike,
+    add_column,
+    prefix_columns,
+)
 
 _UNREACHABLE: Reason = Reason["UNSPECIFIED"]  # gRPC's own UNAVAILABLE: no server there (yet)
 _NOT_READY: Reason = Reason["NOT_READY"]
 
 T = TypeVar("T")
-P = ParamSpec("P")
-Mode = TypeVar("Mode")
+Route = Literal["stream", "bounded", "unary"]  # how a client makes a call: see Session.route
 
 _MAX_UNANSWERED = 1024  # keep-alive send times kept while their answers are due
 UNSPECIFIED: Reason = Reason["UNSPECIFIED"]  # what the client says where it has no server's reason
@@ -81,7 +89,8 @@ class Call(Generic[T]):
 
 class Session:
     """One session's state and logic, without I/O. ``lost`` is why the session ended
-    (detached, keep-alive broken, server restarted); every later call raises it."""
+    (detached, keep-alive broken, server restarted); every later call raises it.
+    ``step_stream``: the Steps go on the client's step stream (else unary calls)."""
 
     def __init__(
         self,
@@ -93,8 +102,10 @@ class Session:
         keepalive: bool,
         cache_namespace: str = "",
         wait_for_ready: bool = True,
+        step_stream: bool = True,
     ) -> None:
         self.wait_for_ready = wait_for_ready
+        self.step_stream = step_stream
         self.name = name
         self.quota_pages = quota_pages
         self.cache_namespace = cache_namespace
@@ -118,6 +129,7 @@ class Session:
         # keep-alive thread, or the caller's, or its event loop): see SessionLost.views_stale.
         self.on_views_stale: Callable[[SessionLost], None] | None = None
         self.views_dropped = False
+        self._attach_tries = 0  # Attaches retried so far (see attach_retry)
 
     # ------------------------------------------------------------------ calls
 
@@ -126,15 +138,16 @@ class Session:
         before trying again, or None to give up (and raise ``err``). Retried, while
         ``wait_for_ready`` and within ``timeout``: a server not reachable yet (a refused
         connection, no socket: gRPC's UNAVAILABLE without a kvmem reason) or not ready
-        (``NOT_READY``). Never: a server shutting down, or any other refusal."""
-        if not self.wait_for_ready or err.code != grpc.StatusCode.UNAVAILABLE:
+        (``NOT_READY``). Never: a TLS mismatch, a server shutting down, or any other
+        refusal."""
+        if not self.wait_for_ready or err.code != grpc.StatusCode.UNAVAILABLE or isinstance(err, TLSError):
             return None
         if err.reason not in (_UNREACHABLE, _NOT_READY):
             return None
         left = started + self.timeout - time.monotonic()
         if left <= 0:
             return None
-        self._attach_tries = getattr(self, "_attach_tries", 0) + 1
+        self._attach_tries += 1
         return min(0.05 * 2 ** min(self._attach_tries, 5), 1.0, left)
 
     def attach(self) -> Call[None]:
@@ -156,7 +169,7 @@ class Session:
         self.prefix_cache = resp.prefix_cache
 
     def open(self, request_ids: list[str], *, timeout: float | None = None) -> Call[torch.Tensor]:
-        """Request slots (int32) for ``request_ids``; an id already open keeps its slot."""
+        """The Open of ``open``: slots (int32) for ``request_ids``."""
         request = kvmem_pb2.OpenRequest(session_id=self._live_id(), request_ids=request_ids)
         return Call("Open", request, self._deadline(timeout), _slots)
 
@@ -170,30 +183,13 @@ class Session:
         alloc_needs: IntsLike = NO_COLUMN,
         alloc_expected_lens: IntsLike | None = None,
         atomic: bool = False,
-        release_token_ids: Sequence[TokensLike | None] | None = None,
-        cache: Sequence[tuple[int, TokensLike]] | None = None,
-        match: Sequence[tuple[int, TokensLike] | tuple[int, TokensLike, int | None]] | None = None,
+        release_token_ids: TokenLists | None = None,
+        cache: CacheItems | None = None,
+        match: MatchItems | None = None,
         timeout: float | None = None,
     ) -> Call[StepResult]:
-        """One scheduler step in one round trip: releases, truncates, caches, matches,
-        then allocs, validated whole (an invalid item changes nothing).
-
-        The prefix cache (token ids: lists, numpy arrays or torch tensors of ints):
-
-        * ``release_token_ids``: per release item, the request's token ids (or None):
-          its full pages enter the cache as the request ends (at most its alloced_len).
-        * ``cache``: ``(slot, token_ids)`` items: insert a running request's full pages
-          now (chunked prefill); where the cache holds an equal page the row is switched
-          to it (``StepResult.cache_switched``).
-        * ``match``: ``(slot, token_ids)`` or ``(slot, token_ids, max_tokens)`` items on
-          fresh requests (alloced_len 0): attach the longest run of cached full pages of
-          at most ``max_tokens`` tokens (None: no limit; pass ``len - 1`` to keep one
-          token to compute), written into the row; ``StepResult.match_lens`` says how
-          many tokens. An alloc of the same slot in this step asks for the request's
-          whole length (``need`` counts from 0: the match is not known when the step is
-          sent) and gets the remainder, ``need - matched`` tokens from the match's end
-          (give it no expected length).
-        """
+        """The Step of ``step`` (the clients' ``step`` says what each column does):
+        only the columns given, as int32 bytes where they are arrays or tensors."""
         # One constructor call with only the columns given: a column left at its default
         # costs nothing, and on a client whose caches are cold between steps (as when many
         # scheduler processes share the cores) one call costs about two thirds of
@@ -221,18 +217,12 @@ class Session:
     def match(
         self, slot: int, token_ids: TokensLike, max_tokens: int | None = None, *, timeout: float | None = None
     ) -> Call[int]:
-        """A step of one match item: request slot ``slot`` (fresh: alloced_len 0) takes
-        the longest run of cached full pages of ``token_ids`` (at most ``max_tokens``
-        tokens). Returns the tokens matched (a multiple of the page size; 0 with the
-        prefix cache off); the request's alloced_len is that now."""
+        """The Step of ``match``: one match item; its answer read as the tokens matched."""
         call = self.step(match=[(slot, token_ids, max_tokens)], timeout=timeout)
         return Call("Step", call.request, call.timeout, _match_len, fenced=True)
 
     def cache(self, slot: int, token_ids: TokensLike, *, timeout: float | None = None) -> Call[int]:
-        """A step of one cache item: the full pages of ``token_ids`` (the request's
-        tokens so far, at most its alloced_len) enter the prefix cache now. Returns how
-        many pages of the row were switched to equal pages already cached (the block
-        table's row changed; their K/V need not be written again)."""
+        """The Step of ``cache``: one cache item; its answer read as the pages switched."""
         call = self.step(cache=[(slot, token_ids)], timeout=timeout)
         return Call("Step", call.request, call.timeout, _pages_switched, fenced=True)
 
@@ -240,30 +230,28 @@ class Session:
         self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *, atomic: bool = False,
         timeout: float | None = None,
     ) -> Call[StepResult]:  # fmt: skip
-        """A step of allocs only: ``needs[i]`` more tokens for request slot ``slots[i]``."""
+        """The Step of ``alloc``: allocs only."""
         return self.step(
             alloc_slots=slots, alloc_needs=needs, alloc_expected_lens=expected_lens, atomic=atomic, timeout=timeout
         )
 
     def truncate(self, slots: IntsLike, new_lens: IntsLike, *, timeout: float | None = None) -> Call[StepResult]:
-        """A step of truncates only: request slot ``slots[i]`` shrinks to ``new_lens[i]`` tokens."""
+        """The Step of ``truncate``: truncates only."""
         return self.step(truncate_slots=slots, truncate_lens=new_lens, timeout=timeout)
 
     def release(
-        self, slots: IntsLike, token_ids: Sequence[TokensLike | None] | None = None, *, timeout: float | None = None
+        self, slots: IntsLike, token_ids: TokenLists | None = None, *, timeout: float | None = None
     ) -> Call[StepResult]:
-        """A step of releases only: the requests end, their slots and pages return.
-        With ``token_ids`` (per slot, its token ids or None) their full pages enter the
-        prefix cache first, for later matches of any session in this namespace."""
+        """The Step of ``release``: releases only (with their token ids, if given)."""
         return self.step(release_slots=slots, release_token_ids=token_ids, timeout=timeout)
 
     def stats(self, *, audit: bool = False, timeout: float | None = None) -> Call[kvmem_pb2.StatsResponse]:
-        """The server's Stats; ``audit`` runs the full audit (O(pool))."""
+        """The Stats of ``stats`` (with the audit if ``audit``)."""
         self._live_id()
         return Call("Stats", kvmem_pb2.StatsRequest(audit=audit), self._deadline(timeout), _stats)
 
     def detach(self, *, timeout: float | None = None) -> Call[int]:
-        """End the session: every request it holds is released. Returns how many."""
+        """The Detach of ``detach``: the session is lost from now on, whatever the call's fate."""
         request = kvmem_pb2.DetachRequest(session_id=self._live_id())
         # Ended from now on, whatever the call's fate; the keep-alive ends after the call
         # (closing its stream first would end the session by itself).
@@ -277,6 +265,18 @@ class Session:
         if self.lost is not None or not self.session_id:
             return None
         return self.detach(timeout=min(self.timeout, 2.0))
+
+    def route(self, call: Call[Any]) -> Route:
+        """How a client makes ``call``, decided here for both: ``"stream"``, a Step on
+        the client's step stream (``step_stream``: see :mod:`kvmem.client.stepstream`);
+        ``"bounded"``, a unary call whose request is too big for gRPC's own deadline to
+        be trusted (:data:`kvmem.client.channel.BIG_REQUEST_BYTES`): the client waits no
+        longer than ``call.timeout`` and cancels it past that; ``"unary"``, a unary call."""
+        if self.step_stream and call.method == "Step":
+            return "stream"
+        if call.request.ByteSize() > BIG_REQUEST_BYTES:
+            return "bounded"
+        return "unary"
 
     def _live_id(self) -> str:
         self._check_not_lost()
@@ -298,7 +298,7 @@ class Session:
         server restarted: the session and its memory handles are gone. A fenced call's
         answer that arrives when the lease is no longer known to hold is withheld: the
         server may have ended the session meanwhile and handed its pages to another
-        (DESIGN §6), so writing K/V through that answer could land in someone else's
+        (docs/DESIGN.md, Leases and fencing), so writing K/V through that answer could land in someone else's
         pages."""
         epoch = response.epoch
         if epoch and self.epoch and epoch != self.epoch:

@@ -18,6 +18,9 @@ from kvmem.v1 import kvmem_pb2
 
 IntsLike = Sequence[int] | np.ndarray | torch.Tensor
 TokensLike = Sequence[int] | np.ndarray | torch.Tensor  # one request's token ids (1-D, int32 range)
+TokenLists = Sequence[TokensLike | None]  # per release item, the request's token ids (or None)
+CacheItems = Sequence[tuple[int, TokensLike]]  # (slot, token_ids) per cache item
+MatchItems = Sequence[tuple[int, TokensLike] | tuple[int, TokensLike, int | None]]  # (slot, token_ids[, max_tokens])
 
 AllocStatus = enum.IntEnum(  # type: ignore[misc]
     "AllocStatus",
@@ -122,9 +125,9 @@ def pack_tokens(lists: Sequence[TokensLike | None], name: str) -> tuple[bytes, b
 
 def prefix_columns(
     columns: dict[str, Any],
-    release_token_ids: Sequence[TokensLike | None] | None,
-    cache: Sequence[tuple[int, TokensLike]] | None,
-    match: Sequence[tuple[int, TokensLike] | tuple[int, TokensLike, int | None]] | None,
+    release_token_ids: TokenLists | None,
+    cache: CacheItems | None,
+    match: MatchItems | None,
 ) -> None:
     """The Step's prefix-cache columns: slots as ints, token lists packed (int32 LE
     bytes with offsets), max tokens only when an item has one (-1: none)."""
@@ -145,7 +148,8 @@ def prefix_columns(
 
 class _BytesView:
     """A read-only tensor view of one ``bytes`` field of the step response, made on
-    first access and kept in the result's slot of the same name."""
+    first access and kept in the result's slot of the same name. A data descriptor
+    (it refuses to be set), so doc tools show it as the attribute it is."""
 
     def __init__(self, field: str, dtype: torch.dtype, doc: str) -> None:
         self.field = field
@@ -168,6 +172,9 @@ class _BytesView:
             tensor = torch.frombuffer(data, dtype=self.dtype) if data else torch.empty(0, dtype=self.dtype)
             setattr(obj, self.slot, tensor)
         return tensor
+
+    def __set__(self, obj: StepResult, value: object) -> None:
+        raise AttributeError(f"StepResult.{self.slot[1:]} is a view of the response: read-only")
 
 
 class StepResult:

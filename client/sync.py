@@ -1,40 +1,48 @@
 """The blocking client: one object per session, a keep-alive thread in the background.
 
-Every method and all the session logic are :class:`~kvmem.client.session.ClientBase`'s
-and :class:`~kvmem.client.session.Session`'s; this module makes the calls, blocking.
+Each method is written out here and is one line over the
+:class:`kvmem.client.session.Session` builder of its call; :class:`kvmem.client.base.ClientBase`
+holds what both clients share. This module makes the calls, blocking.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import grpc
+import torch
 
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
-from .channel import BIG_REQUEST_BYTES, TLSError, deadline_exceeded
+from .base import ClientBase
+from .channel import deadline_exceeded
 from .errors import KVMemError, SessionLost
 from .events import EventStream, watch_request
-from .session import Call, Session
+from .session import Call
+from .step import NO_COLUMN, CacheItems, IntsLike, MatchItems, StepResult, TokenLists, TokensLike
 from .stepstream import StepStream
-from .surface import Blocking, ClientBase
 
 T = TypeVar("T")
-P = ParamSpec("P")
 
 
-class KVMemClient(ClientBase[Blocking]):
+class KVMemClient(ClientBase):
     """A session with a kvmem server; the constructor attaches (or raises), ``close()``
     (or leaving a ``with`` block) detaches.
 
     ``target`` is a unix socket path (``/tmp/kvmem.sock`` or ``unix:/tmp/kvmem.sock``)
-    or ``HOST:PORT`` (TLS with ``tls_ca``: see :class:`~kvmem.client.surface.ClientBase`).
-    Every call takes ``timeout`` seconds (default: the client's). A keep-alive thread
-    holds the session's lease; if the session breaks, the next call raises
-    :class:`~kvmem.client.errors.SessionLost`.
+    or ``HOST:PORT`` (TLS with ``tls_ca``: see :class:`kvmem.client.base.ClientBase`,
+    which also says every other argument). Every call takes ``timeout`` seconds
+    (default: the client's). A keep-alive thread holds the session's lease; if the
+    session breaks, the next call raises :class:`kvmem.client.SessionLost`.
+
+    The constructor raises what an Attach can: :class:`kvmem.client.Unavailable` (no
+    server within ``timeout``, or one shutting down; :class:`kvmem.client.TLSError` for a
+    TLS mismatch), :class:`kvmem.client.Unauthenticated` (a missing or wrong
+    ``auth_token``), :class:`kvmem.client.TooManySessions`, and
+    :class:`kvmem.client.InvalidArgument` (a bad ``name`` or ``quota_pages``).
     """
 
     _channel: grpc.Channel | None
@@ -48,17 +56,8 @@ class KVMemClient(ClientBase[Blocking]):
         self._steps_lock = threading.Lock()
         self._channel = self._transport.channel()
         self._stub = kvmem_pb2_grpc.KVMemoryStub(self._channel)
-        started = time.monotonic()
         try:
-            while True:
-                try:
-                    self._perform(self._session.attach())
-                    break
-                except KVMemError as err:
-                    delay = None if isinstance(err, TLSError) else self._session.attach_retry(err, started)
-                    if delay is None:
-                        raise
-                    time.sleep(delay)
+            self._attach()
         except BaseException:
             self._channel.close()
             raise
@@ -66,21 +65,167 @@ class KVMemClient(ClientBase[Blocking]):
             self._keepalive_thread = threading.Thread(target=self._keepalive, name="kvmem-keepalive", daemon=True)
             self._keepalive_thread.start()
 
-    def _invoke(self, build: Callable[Concatenate[Session, P], Call[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._perform(build(self._session, *args, **kwargs))
+    def _attach(self) -> None:
+        """Attach, trying again while the session says so (a server not there or not
+        ready yet: ``wait_for_ready``)."""
+        started = time.monotonic()
+        while True:
+            try:
+                return self._perform(self._session.attach())
+            except KVMemError as err:
+                delay = self._session.attach_retry(err, started)
+                if delay is None:
+                    raise
+                time.sleep(delay)
+
+    # ------------------------------------------------------------- the calls
+
+    def open(self, request_ids: list[str], *, timeout: float | None = None) -> torch.Tensor:
+        """Request slots for ``request_ids``: an int32 tensor, in their order. An id
+        already open in this session keeps its slot (Open is idempotent per id).
+
+        Cost: one round trip (a unary Open); the server's work is O(len(request_ids)).
+
+        :raises NoFreeRequestSlot: every request slot of the server is open; nothing changed.
+        :raises InvalidArgument: an empty request id, or more ids than one Open takes.
+        :raises SessionLost: the session is gone (detached, its lease lapsed, the server restarted).
+        :raises Unavailable: the server is shutting down or cannot be reached.
+        :raises KVMemError: no answer within ``timeout`` seconds (code ``DEADLINE_EXCEEDED``).
+        """
+        return self._perform(self._session.open(request_ids, timeout=timeout))
+
+    def step(
+        self, *, release_slots: IntsLike = NO_COLUMN, truncate_slots: IntsLike = NO_COLUMN,
+        truncate_lens: IntsLike = NO_COLUMN, alloc_slots: IntsLike = NO_COLUMN, alloc_needs: IntsLike = NO_COLUMN,
+        alloc_expected_lens: IntsLike | None = None, atomic: bool = False, release_token_ids: TokenLists | None = None,
+        cache: CacheItems | None = None, match: MatchItems | None = None, timeout: float | None = None,
+    ) -> StepResult:  # fmt: skip
+        """One scheduler step in one round trip: releases, truncates, caches, matches,
+        then allocs, validated whole (an invalid item changes nothing). Per alloc item
+        ``i``: ``alloc_needs[i]`` more tokens for request slot ``alloc_slots[i]`` (with
+        ``alloc_expected_lens[i]``, the request's alloced_len it must have, -1: any;
+        ``atomic``: no alloc unless all fit). Running out of pages is no error: it is the
+        item's ``StepResult.status`` (:class:`kvmem.client.AllocStatus`), and that item
+        changed nothing. Truncate item ``i``: slot ``truncate_slots[i]`` shrinks to
+        ``truncate_lens[i]`` tokens; release items end their requests.
+
+        The prefix cache (token ids: lists, numpy arrays or torch tensors of ints):
+
+        * ``release_token_ids``: per release item, the request's token ids (or None):
+          its full pages enter the cache as the request ends (at most its alloced_len).
+        * ``cache``: ``(slot, token_ids)`` items: insert a running request's full pages
+          now (chunked prefill); where the cache holds an equal page the row is switched
+          to it (``StepResult.cache_switched``).
+        * ``match``: ``(slot, token_ids)`` or ``(slot, token_ids, max_tokens)`` items on
+          fresh requests (alloced_len 0): attach the longest run of cached full pages of
+          at most ``max_tokens`` tokens (None: no limit; pass ``len - 1`` to keep one
+          token to compute), written into the row; ``StepResult.match_lens`` says how
+          many tokens. An alloc of the same slot in this step asks for the request's
+          whole length (``need`` counts from 0: the match is not known when the step is
+          sent) and gets the remainder, ``need - matched`` tokens from the match's end
+          (give it no expected length).
+
+        Cost: one round trip, one message each way on the step stream (``step_stream``;
+        else a unary Step). Columns that are numpy arrays or CPU tensors travel as their
+        int32 bytes (no per-item encoding); the server's work is O(items + pages
+        touched), never per token; the result's tensors are views of the answer's bytes,
+        made on first access.
+
+        :raises InvalidArgument: a malformed column (``BAD_VALUE``, ``LENGTH_MISMATCH``,
+            ``DUPLICATE_SLOT``); nothing changed.
+        :raises NotFound: a slot that is not open in this session (``SLOT_NOT_FOUND``);
+            nothing changed.
+        :raises FailedPrecondition: an item that disagrees with its request
+            (``ALLOCED_LEN_MISMATCH``, ``TRUNCATE_BEYOND_ALLOCED``, ``PAGE_SHARED``);
+            nothing changed.
+        :raises SessionLost: the session is gone, or the answer came when the lease was
+            no longer known to hold (withheld: the pages may be another's by then).
+        :raises Unavailable: the server is shutting down or cannot be reached.
+        :raises KVMemError: no answer within ``timeout`` seconds (code ``DEADLINE_EXCEEDED``).
+        """
+        return self._perform(self._session.step(release_slots=release_slots, truncate_slots=truncate_slots,
+            truncate_lens=truncate_lens, alloc_slots=alloc_slots, alloc_needs=alloc_needs,
+            alloc_expected_lens=alloc_expected_lens, atomic=atomic, release_token_ids=release_token_ids,
+            cache=cache, match=match, timeout=timeout))  # fmt: skip
+
+    def alloc(self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *,
+        atomic: bool = False, timeout: float | None = None) -> StepResult:  # fmt: skip
+        """A step of allocs only: ``needs[i]`` more tokens for request slot ``slots[i]``
+        (``expected_lens[i]``: the alloced_len it must have, -1: any; ``atomic``: none
+        unless all fit). Cost and errors: :meth:`step`'s (one round trip)."""
+        return self._perform(self._session.alloc(slots, needs, expected_lens, atomic=atomic, timeout=timeout))
+
+    def truncate(self, slots: IntsLike, new_lens: IntsLike, *, timeout: float | None = None) -> StepResult:
+        """A step of truncates only: request slot ``slots[i]`` shrinks to ``new_lens[i]``
+        tokens (pages past it return). Cost and errors: :meth:`step`'s (one round trip)."""
+        return self._perform(self._session.truncate(slots, new_lens, timeout=timeout))
+
+    def release(self, slots: IntsLike, token_ids: TokenLists | None = None, *,
+        timeout: float | None = None) -> StepResult:  # fmt: skip
+        """A step of releases only: the requests end, their slots and pages return.
+        With ``token_ids`` (per slot, its token ids or None) their full pages enter the
+        prefix cache first, for later matches of any session in this namespace. Cost
+        and errors: :meth:`step`'s (one round trip)."""
+        return self._perform(self._session.release(slots, token_ids, timeout=timeout))
+
+    def match(self, slot: int, token_ids: TokensLike, max_tokens: int | None = None, *,
+        timeout: float | None = None) -> int:  # fmt: skip
+        """A step of one match item: request slot ``slot`` (fresh: alloced_len 0) takes
+        the longest run of cached full pages of ``token_ids`` (at most ``max_tokens``
+        tokens). Returns the tokens matched (a multiple of the page size; 0 with the
+        prefix cache off); the request's alloced_len is that now. Cost and errors:
+        :meth:`step`'s (one round trip; hashing the tokens is O(len(token_ids)) on the server)."""
+        return self._perform(self._session.match(slot, token_ids, max_tokens, timeout=timeout))
+
+    def cache(self, slot: int, token_ids: TokensLike, *, timeout: float | None = None) -> int:
+        """A step of one cache item: the full pages of ``token_ids`` (the request's
+        tokens so far, at most its alloced_len) enter the prefix cache now. Returns how
+        many pages of the row were switched to equal pages already cached (the block
+        table's row changed; their K/V need not be written again). Cost and errors:
+        :meth:`step`'s (one round trip; hashing the tokens is O(len(token_ids)) on the server)."""
+        return self._perform(self._session.cache(slot, token_ids, timeout=timeout))
+
+    def stats(self, *, audit: bool = False, timeout: float | None = None) -> kvmem_pb2.StatsResponse:
+        """The server's Stats: the pool's counters, per-session usage, the prefix cache.
+
+        Cost: one round trip (a unary Stats); O(sessions) on the server, and with
+        ``audit`` the full audit, O(pool), run while no step can go.
+
+        :raises SessionLost: this client's session is gone (checked before the call).
+        :raises KVMemError: ``audit`` found a broken invariant (code ``INTERNAL``,
+            reason ``CORRUPTION``: a bug in kvmem), or no answer within ``timeout``
+            seconds (code ``DEADLINE_EXCEEDED``).
+        :raises Unavailable: the server is shutting down or cannot be reached.
+        """
+        return self._perform(self._session.stats(audit=audit, timeout=timeout))
+
+    def detach(self, *, timeout: float | None = None) -> int:
+        """End the session: every request it holds is released. Returns how many. The
+        session is over from the call on, whatever its fate; the keep-alive ends with it.
+
+        Cost: one round trip (a unary Detach); O(requests held + their pages) on the server.
+
+        :raises SessionLost: the session was already gone.
+        :raises Unavailable: the server is shutting down or cannot be reached.
+        :raises KVMemError: no answer within ``timeout`` seconds (code ``DEADLINE_EXCEEDED``).
+        """
+        return self._perform(self._session.detach(timeout=timeout))
 
     def _perform(self, call: Call[T]) -> T:
+        """Make ``call`` the way :meth:`kvmem.client.session.Session.route` says, and
+        hand its answer to the session to read."""
         try:
             try:
-                if call.method == "Step" and self._step_stream:
+                route = self._session.route(call)
+                if route == "stream":
                     response = self._session.streamed(self._stream_step(call))
-                elif call.request.ByteSize() > BIG_REQUEST_BYTES:
+                elif route == "bounded":
                     response = self._bounded(call)
                 else:
                     rpc = getattr(self._stub, call.method)
                     response = rpc(call.request, timeout=call.timeout, metadata=self._session.metadata)
             except grpc.RpcError as err:
-                raise self._transport.error(self._session.failed(err), first=call.method == "Attach") from None
+                raise self._failure(call, err) from None
             return self._session.finish(call, response)
         except SessionLost:
             self._stop_keepalive()  # over for this client: closing the stream tells the server it let go
@@ -92,7 +237,7 @@ class KVMemClient(ClientBase[Blocking]):
 
     def _bounded(self, call: Call[T]) -> Any:
         """A unary call with a big request, waited for no longer than its deadline (see
-        :data:`~kvmem.client.channel.BIG_REQUEST_BYTES`): cancelled past it."""
+        :data:`kvmem.client.channel.BIG_REQUEST_BYTES`): cancelled past it."""
         future = getattr(self._stub, call.method).future(
             call.request, timeout=call.timeout, metadata=self._session.metadata
         )
@@ -123,18 +268,23 @@ class KVMemClient(ClientBase[Blocking]):
         if stream is not None:
             stream.close()
 
+    # ------------------------------------------------------------ the client
+
     def watch_events(self, from_seq: int = 0, epoch: str = "") -> EventStream:
         """The prefix cache's events from batch ``from_seq`` of ``epoch`` (empty: the
         server's current one) on, then live: an iterator of ``kvmem.v1.KVEventBatch``
         (see :mod:`kvmem.client.events`); ``close()`` it to cancel the call. It needs no
-        session (a router without one: :func:`kvmem.client.admin.watch_events`)."""
+        session (a router without one: :func:`kvmem.client.watch_events`). Cost: one
+        server-streaming call on the client's channel, open until closed."""
         if self._channel is None:
             raise RuntimeError("the client is closed")
         request = watch_request(from_seq, epoch)
         return EventStream(self._stub.WatchEvents(request, metadata=self._session.metadata))
 
     def close(self) -> None:
-        """Detach (if still attached) and close the channel. Idempotent."""
+        """Detach (if still attached: a Detach with a deadline of at most 2 s, whose
+        failure is ignored, since the session is gone either way) and close the channel.
+        Idempotent."""
         detach = self._session.close()
         try:
             if detach is not None:
