@@ -2,8 +2,10 @@
 
 This layer is the one registry of sessions: their unguessable ids, names, leases and
 quotas live here and only here; the core knows each session as a small integer owner
-(:meth:`KVCore.add_owner`). It also holds the server's epoch, the memory backend whose
-block table the core writes, and the totals that metrics read. Every method runs to
+(:meth:`KVCore.add_owner`). It is given the core it serves (built where the server is
+put together: :mod:`kvmem.server.process.app`) and holds the server's epoch, the memory
+backend it syncs the block table's changed rows to, and the totals that metrics read.
+Every method runs to
 completion without awaiting, so on the server's one event loop each call is one
 critical section: steps of many sessions interleave, never half-applied.
 """
@@ -14,14 +16,12 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
-from kvmem.server.core import AllocStatus, AuditReport, CoreConfig, KVCore, OwnerId, PoolStats, StepBatch, StepResult
-from kvmem.server.core.events import CacheEvent
-from kvmem.server.core.hashing import PageKeys
+from kvmem.server.core import AllocStatus, AuditReport, KVCore, OwnerId, PoolStats, StepBatch, StepResult
 from kvmem.server.errors import KVMemError, Reason
 
 log = logging.getLogger("kvmem.sessions")
@@ -61,7 +61,7 @@ class Session:
 @dataclasses.dataclass(slots=True)
 class Quarantine:
     """The pages of a session whose lease lapsed while its process may still write
-    into them (DESIGN §6: fencing). They go back to the pool when the session's
+    into them (docs/DESIGN.md, Leases and fencing). They go back to the pool when the session's
     keep-alive stream breaks or closes (the process is gone, or it let go) or at
     ``until`` (monotonic seconds), whichever comes first."""
 
@@ -96,41 +96,32 @@ class Sessions:
 
     def __init__(
         self,
-        config: CoreConfig,
+        core: KVCore,
         lease_s: float,
         memory: BlockTableSink | None = None,
         *,
-        audit_every_step: bool = False,
         quarantine_s: float | None = None,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
-        prefix_cache: bool = True,
-        page_keys: PageKeys | None = None,
-        event_sink: Callable[[list[CacheEvent]], None] | None = None,
     ) -> None:
-        """``prefix_cache``, ``page_keys`` (None: the core's default recipe) and
-        ``event_sink`` (called with each mutating call's cache events) go to the core."""
+        """Sessions over ``core``, built where the server is put together (its block
+        table ``memory``'s, when there is one: the rows each step changes are synced to
+        ``memory``)."""
         if lease_s <= 0:
             raise ValueError(f"lease must be > 0 seconds, got {lease_s}")
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
-        self.max_sessions = max_sessions
         if quarantine_s is not None and quarantine_s < 0:
             raise ValueError(f"quarantine must be >= 0 seconds, got {quarantine_s}")
+        if memory is not None and core.block_table is not memory.block_table:
+            raise ValueError("the core must write the memory's block table: KVCore(config, memory.block_table, ...)")
+        self.core = core
+        self.max_sessions = max_sessions
         self.epoch = secrets.token_hex(8)
         self.lease_s = lease_s
         # How long a lapsed session's pages stay out of use (default: six leases).
         self.quarantine_s = QUARANTINE_LEASES * lease_s if quarantine_s is None else quarantine_s
         self.quarantined: dict[str, Quarantine] = {}  # by session id
         self._sync_memory = memory if memory is not None and memory.syncs_rows else None
-        table = None if memory is None else memory.block_table
-        self.core = KVCore(
-            config,
-            table,
-            audit_every_step=audit_every_step,
-            prefix_cache=prefix_cache,
-            page_keys=page_keys,
-            event_sink=event_sink,
-        )
         self.by_id: dict[str, Session] = {}
         self._started = time.monotonic()
         # Totals since start, for metrics: integer additions on the hot path.

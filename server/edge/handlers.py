@@ -1,29 +1,26 @@
 """Registering gRPC services so that a request body that does not parse never reaches
 gRPC's own error path (UNKNOWN, and an ERROR line with a traceback per call: any peer
 could fill the log). Each method's deserializer hands such a body on as a
-:class:`~kvmem.server.edge.wire.Malformed`.
+:class:`~kvmem.server.edge.wire.Malformed`, for the server's one guard
+(:mod:`kvmem.server.edge.guard`) to refuse as INVALID_ARGUMENT naming the method.
 
-kvmem's own service refuses it in its handlers (:func:`kvmem.server.edge.service.add_to_server`).
-The stock services it serves beside it (grpc.health.v1, reflection) know nothing of
-that: :func:`add_guarded` puts a guard before each of their methods, which refuses a
-malformed request as INVALID_ARGUMENT naming the method and the message type, and
-counts it in the service's rate-limited :class:`~kvmem.server.edge.refusals.RefusalLog`.
+kvmem's own service is registered by :func:`kvmem.server.edge.service.add_to_server`,
+its handlers guarded by their decorators. The stock services it serves beside it
+(grpc.health.v1, reflection) know nothing of that: :func:`add_guarded` puts the guard
+before each of their methods.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
-from kvmem.server.edge.refusals import RefusalLog
-from kvmem.server.edge.wire import Malformed, deserializer
-from kvmem.server.edge.wire import to_status as _to_status
-from kvmem.server.errors import KVMemError
+from kvmem.server.edge.guard import Guard
+from kvmem.server.edge.wire import deserializer
 
 _HANDLER_KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -49,46 +46,7 @@ def register(server: grpc.aio.Server, service: ServiceDescriptor, behaviour: Cal
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
-def add_guarded(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Server, refusals: RefusalLog) -> None:
+def add_guarded(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Server, guard: Guard) -> None:
     """Serve a stock ``servicer`` of ``service`` (its grpc.aio methods: coroutines,
-    async generators, or plain functions) behind the guard of the module's docstring."""
-    register(server, service, lambda method: _guard(getattr(servicer, method.name), method, refusals))
-
-
-def _guard(handler: Any, method: MethodDescriptor, refusals: RefusalLog) -> Any:
-    """``handler`` behind a check of its request (or of each request of a stream)."""
-    name = f"{method.containing_service.full_name}/{method.name}"
-
-    async def refuse(context: grpc.aio.ServicerContext, request: Malformed) -> None:
-        err: KVMemError = request.error(name)
-        refusals.record(context.peer(), name, err.reason.name, err.message)
-        await context.abort_with_status(_to_status(err))
-
-    async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for request in requests:
-            if isinstance(request, Malformed):
-                await refuse(context, request)
-            yield request
-
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if method.client_streaming:
-            request = checked(request, context)
-        elif isinstance(request, Malformed):
-            await refuse(context, request)
-        try:
-            result = handler(request, context)
-            return await result if inspect.isawaitable(result) else result
-        except NotImplementedError:  # the stock stubs' methods that the servicer leaves out (Health/List)
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not implemented by this server")
-
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if method.client_streaming:
-            request = checked(request, context)
-        elif isinstance(request, Malformed):
-            await refuse(context, request)
-        async for response in handler(request, context):
-            yield response
-
-    # grpc.aio takes a server-streaming handler as an async generator or as a coroutine
-    # that writes with context.write (the health servicer's Watch): keep the handler's kind.
-    return stream if inspect.isasyncgenfunction(handler) else call
+    async generators, or plain functions) behind ``guard`` (:meth:`Guard.stock`)."""
+    register(server, service, lambda method: guard.stock(getattr(servicer, method.name), method))

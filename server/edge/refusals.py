@@ -1,4 +1,4 @@
-"""Refused calls, logged as rate-limited summaries (DESIGN §4: no peer can flood the log).
+"""Refused calls, logged as rate-limited summaries (docs/DESIGN.md, Errors: no peer can flood the log).
 
 A refusal is a call kvmem answered with an error of the caller's making (bad input, an
 unknown session, a wrong token, ...). Logging one line, let alone a traceback, per

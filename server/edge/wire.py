@@ -150,7 +150,8 @@ def deserializer(cls: Any) -> Callable[[bytes], Any]:
 
 def column(field: Any, packed: bytes, name: str) -> np.ndarray:
     """A Step column, from its repeated field or its int32 LE bytes twin (``name_i32``),
-    as an int64 array. Both given, or bytes that are not whole int32 values: BAD_VALUE
+    as an int64 array (the core's :class:`StepBatch` columns are int64: its checks read
+    them so). Both given, or bytes that are not whole int32 values: BAD_VALUE
     naming the field."""
     if not packed:
         return array(field)
@@ -194,10 +195,28 @@ def le_bytes(a: np.ndarray) -> bytes:
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def step_batch(request: kvmem_pb2.StepRequest) -> StepBatch:
+def carries_prefix(request: kvmem_pb2.StepRequest) -> bool:
+    """Whether a StepRequest sets any prefix-cache field (release tokens, cache or match
+    items): decided once per step, and handed to :func:`step_batch` (which reads those
+    columns only then) and :func:`step_response` (which answers them only then)."""
+    return bool(
+        request.release_token_offsets
+        or request.release_token_ids
+        or len(request.cache_slots)
+        or request.cache_token_offsets
+        or request.cache_token_ids
+        or len(request.match_slots)
+        or request.match_token_offsets
+        or request.match_token_ids
+        or len(request.match_max_tokens)
+    )
+
+
+def step_batch(request: kvmem_pb2.StepRequest, prefix: bool | None = None) -> StepBatch:
     """A StepRequest's columns as a :class:`StepBatch` (lengths and values are the
     core's to check; each of the first six from its repeated field or its ``_i32``
-    bytes). The prefix-cache columns are read only when one of them is set."""
+    bytes). The prefix-cache columns are read only when ``prefix`` (the caller's
+    :func:`carries_prefix`; None: decided here)."""
     expected = column(request.alloc_expected_lens, request.alloc_expected_lens_i32, "alloc_expected_lens")
     batch = StepBatch(
         column(request.release_slots, request.release_slots_i32, "release_slots"),
@@ -208,17 +227,7 @@ def step_batch(request: kvmem_pb2.StepRequest) -> StepBatch:
         expected if expected.size else None,
         request.atomic,
     )
-    if (
-        request.release_token_offsets
-        or request.release_token_ids
-        or len(request.cache_slots)
-        or request.cache_token_offsets
-        or request.cache_token_ids
-        or len(request.match_slots)
-        or request.match_token_offsets
-        or request.match_token_ids
-        or len(request.match_max_tokens)
-    ):
+    if carries_prefix(request) if prefix is None else prefix:
         _prefix_columns(request, batch)
     return batch
 
@@ -242,9 +251,10 @@ def _prefix_columns(request: kvmem_pb2.StepRequest, batch: StepBatch) -> None:
     batch.match_max_tokens = array(limits) if len(limits) else None
 
 
-def step_response(batch: StepBatch, result: StepResult, epoch: str, num_free_pages: int) -> kvmem_pb2.StepResponse:
-    """The StepResponse of an applied step; the prefix-cache fields only where the step
-    had prefix items (a decode step's allocs may still evict: that count is always set)."""
+def step_response(result: StepResult, epoch: str, num_free_pages: int, prefix: bool) -> kvmem_pb2.StepResponse:
+    """The StepResponse of an applied step; the prefix-cache fields only where the request
+    carried prefix items (``prefix``: :func:`carries_prefix`; a decode step's allocs may
+    still evict: that count is always set)."""
     resp = kvmem_pb2.StepResponse(
         epoch=epoch,
         alloc_status=result.alloc_status.tobytes(),
@@ -256,7 +266,7 @@ def step_response(batch: StepBatch, result: StepResult, epoch: str, num_free_pag
         num_free_pages=num_free_pages,
         num_pages_evicted=result.num_pages_evicted,
     )
-    if batch.has_prefix_items:
+    if prefix:
         resp.match_lens = le_bytes(result.match_lens.astype(np.int32, copy=False))
         resp.cache_switched = le_bytes(result.cache_switched.astype(np.int32, copy=False))
         resp.num_pages_cached = result.num_pages_cached

@@ -16,9 +16,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from kvmem.server.core import CoreConfig
+from kvmem.server.core import CoreConfig, KVCore
 from kvmem.server.core.events import AllCleared, CacheEvent
 from kvmem.server.core.hashing import PageKeys
+from kvmem.server.edge.guard import Guard
 from kvmem.server.edge.handlers import add_guarded
 from kvmem.server.edge.service import KVMemoryService, add_to_server, geometry_to_proto, handle_to_proto
 from kvmem.server.memory import KVGeometry, MemoryBackend, PoolSpec, format_size
@@ -54,6 +55,7 @@ class KVMemServer:
         self.sessions: Sessions | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
+        self.guard = Guard(config.auth_token)  # every call passes it: admission, refusals, metrics
         self.service: KVMemoryService | None = None
         self.memory: MemoryBackend | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -137,12 +139,11 @@ class KVMemServer:
         self._starting = server
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.service = KVMemoryService(cfg.auth_token)
+        self.service = KVMemoryService(self.guard)
         add_to_server(self.service, server)  # a body that does not parse: INVALID_ARGUMENT, not UNKNOWN
-        refusals = self.service.refusals  # the stock services' malformed calls too
-        add_guarded(self.health, HEALTH, server, refusals)
+        add_guarded(self.health, HEALTH, server, self.guard)  # the stock services' malformed calls too
         names = (SERVICE_NAME, HEALTH.full_name, reflection.SERVICE_NAME)
-        add_guarded(reflection.aio.ReflectionServicer(names), REFLECTION, server, refusals)
+        add_guarded(reflection.aio.ReflectionServicer(names), REFLECTION, server, self.guard)
         if cfg.socket_path is not None:
             old_umask = os.umask(0o177)  # the socket is born 0600
             self._socket_made = True  # checked free (or a dead server's) before: ours to remove on failure
@@ -182,8 +183,7 @@ class KVMemServer:
         """grpc.health.v1 alone on a TCP port of every interface, the same statuses as on
         the socket (one servicer): what kubelet's gRPC probes need, and nothing else."""
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        assert self.service is not None
-        add_guarded(self.health, HEALTH, server, self.service.refusals)
+        add_guarded(self.health, HEALTH, server, self.guard)
         try:
             server.add_insecure_port(f"0.0.0.0:{port}")
         except RuntimeError as exc:
@@ -194,21 +194,21 @@ class KVMemServer:
     async def _open(
         self, core_cfg: CoreConfig, kv_geometry: KVGeometry, metrics_at: tuple[str, int] | None, page_keys: PageKeys
     ) -> None:
-        """The memory exists: the sessions over it with the prefix cache's event log
-        (and its ZMQ publisher), the service ready, the lease reaper, metrics,
-        readiness SERVING."""
+        """The memory exists: the core over it (writing its block table, its cache events
+        into the event log and the ZMQ publisher), the sessions over the core, the
+        service ready, the lease reaper, metrics, readiness SERVING."""
         cfg = self.config
         assert self.service is not None
-        self.sessions = Sessions(
+        core = KVCore(
             core_cfg,
-            cfg.lease_s,
-            self.memory,
+            None if self.memory is None else self.memory.block_table,
             audit_every_step=cfg.audit_every_step,
-            quarantine_s=cfg.quarantine_s,
-            max_sessions=cfg.max_sessions,
             prefix_cache=cfg.prefix_cache,
             page_keys=page_keys,
             event_sink=self._publish_events,
+        )
+        self.sessions = Sessions(
+            core, cfg.lease_s, self.memory, quarantine_s=cfg.quarantine_s, max_sessions=cfg.max_sessions
         )
         self.events = EventLog(
             self.sessions.epoch,
@@ -300,8 +300,8 @@ class KVMemServer:
 
     async def _start_metrics(self, host: str, port: int) -> None:
         assert self.sessions is not None and self.service is not None
-        self.service.rpc_stats = RpcStats()
-        registry = build_registry(self.sessions, self.service.rpc_stats, self.service.memory_backend)
+        self.guard.rpc_stats = stats = RpcStats()
+        registry = build_registry(self.sessions, stats, self.service.memory_backend)
         server = MetricsServer(registry)
         try:
             await server.start(host, port)
@@ -333,9 +333,7 @@ class KVMemServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.sessions.accepting = False
         await self._drain(cfg.drain_s)
-        self.service.stopping.set()  # from here every call is refused: UNAVAILABLE
-        for task in list(self.service.waiting):  # session streams waiting for a message end now
-            task.cancel()
+        self.guard.stop()  # from here every call is refused (UNAVAILABLE); session streams waiting end now
         self._close_events()  # watch streams end now (UNAVAILABLE), not after the grace period
         if self._reaper is not None:
             self._reaper.cancel()
@@ -351,7 +349,7 @@ class KVMemServer:
                 os.unlink(self.config.socket_path)
         if self.health_server is not None:  # last: the probes see NOT_SERVING until the end
             await self.health_server.stop(0)
-        self.service.refusals.flush()  # the last summary of refused calls
+        self.guard.refusals.flush()  # the last summary of refused calls
         log.info("stopped")
 
     async def _drain(self, seconds: float) -> None:

@@ -179,7 +179,7 @@ def access_gid(cfg: ServerConfig) -> int | None:
     """The group id the socket and shm files are given (None: leave the server's), after
     checking ``--socket-mode`` and ``--group``: the mode is 0600 or 0660 (owner read and
     write, the group at most the same, others nothing: every session can map the whole
-    KV memory, DESIGN §6), and the server can hand its files to the group."""
+    KV memory: docs/DESIGN.md, Transport and security), and the server can hand its files to the group."""
     mode = cfg.socket_mode
     if mode not in (0o600, 0o660):
         raise StartupError(f"--socket-mode must be 0600 or 0660 (others never get access), got {mode:04o}")

@@ -8,7 +8,7 @@ lease 1500 ms. A token slot (kv_loc) is ``page * 4 + offset``. The pool hands ou
 expected values below are exact. Block-table rows are drawn in comments, e.g.
 ``# row 1: [1, 2]  len 6``.
 
-The error tests follow DESIGN §4 row by row. Each checks the status code, that the
+The error tests follow docs/DESIGN.md, Errors, row by row. Each checks the status code, that the
 message names the offending value, and that nothing changed: the Stats before and
 after are equal, and a probe step (alloc one token, truncate it away) returns the same
 kv_loc before and after.
@@ -309,7 +309,7 @@ def test_reflection_lists_the_service(server: ServerProcess) -> None:
     assert {m.name for m in service.method} >= {"Attach", "Detach", "KeepAlive", "Open", "Step", "Stats"}
 
 
-# -------------------------------------------------------------- DESIGN §4, errors
+# ---------------------------------------------------------- docs/DESIGN.md, Errors
 
 
 @dataclasses.dataclass

@@ -497,12 +497,12 @@ class RecordingTable:
 
 
 def test_rows_rewritten_by_match_and_cache_items_are_synced_to_the_device_table() -> None:
-    from kvmem.server.core import CoreConfig, StepBatch
+    from kvmem.server.core import CoreConfig, KVCore, StepBatch
     from kvmem.server.sessions import Sessions
 
     config = CoreConfig(num_pages=33, page_size=PS, max_requests=4, max_context_len=64)
     table = RecordingTable(config.block_table_shape)
-    sessions = Sessions(config, 10.0, table, audit_every_step=True)
+    sessions = Sessions(KVCore(config, table.block_table, audit_every_step=True), 10.0, table)
     a, b = sessions.attach("A", None), sessions.attach("B", None)
     [sa] = sessions.open(a.session_id, ["p"]).tolist()
     [sb, sc] = sessions.open(b.session_id, ["q", "r"]).tolist()

@@ -1,4 +1,4 @@
-"""SIGTERM (DESIGN §6): readiness NOT_SERVING and no new sessions at once; attached
+"""SIGTERM (docs/DESIGN.md, Shutdown): readiness NOT_SERVING and no new sessions at once; attached
 sessions go on stepping through the drain period; then the server refuses every call
 (UNAVAILABLE, SHUTTING_DOWN), ends the keep-alive streams and the sessions, and exits 0
 within the drain and the grace period, whatever its clients do; no client sees a bare
