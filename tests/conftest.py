@@ -1,5 +1,6 @@
 """Shared fixtures: a real `kvmem serve` process on a temporary unix socket, and the
-line-protocol child processes the multi-process tests drive."""
+line-protocol child processes the multi-process tests drive; and the hypothesis
+profiles of the property tests (``quick``, the default, and ``thorough``)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,28 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import settings
 
 READINESS = "kvmem.v1.KVMemory"
+
+# Hypothesis profiles. "quick", the default, runs a handful of examples of each property
+# test, so that `pytest tests/core` is the one-second loop of development; "thorough"
+# (`--hypothesis-profile=thorough`, what .ci/run selects) runs each at its full strength.
+# A test names its full numbers to `capped`, which gives it at most the profile's. Both
+# keep the rest of hypothesis's settings as they are (its "ci" profile where CI is set).
+settings.register_profile("quick", parent=settings.default, max_examples=10, stateful_step_count=10)
+settings.register_profile("thorough", parent=settings.default, max_examples=500, stateful_step_count=50)
+settings.load_profile("quick")  # the pytest option --hypothesis-profile, read later, overrides it
+
+
+def capped(max_examples: int, stateful_step_count: int | None = None, **others: object) -> settings:
+    """The settings of a property test whose full strength is ``max_examples`` examples
+    (of ``stateful_step_count`` steps, a stateful one): no more than the profile's."""
+    profile = settings.default
+    assert profile is not None
+    if stateful_step_count is not None:
+        others["stateful_step_count"] = min(stateful_step_count, profile.stateful_step_count)
+    return settings(max_examples=min(max_examples, profile.max_examples), **others)  # type: ignore[arg-type]
 
 
 class LineProcess:
@@ -50,7 +71,9 @@ class LineProcess:
             try:
                 line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
-                raise AssertionError(f"{self.name}: no {word!r} within {timeout}s:\n" + "\n".join(self.transcript))
+                raise AssertionError(
+                    f"{self.name}: no {word!r} within {timeout}s:\n" + "\n".join(self.transcript)
+                ) from None
             if line is None:
                 self.proc.wait()
                 raise AssertionError(
@@ -104,7 +127,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"server did not exit within {timeout}s after signal {sig}:\n{self.log()}")
+            raise AssertionError(f"server did not exit within {timeout}s after signal {sig}:\n{self.log()}") from None
 
 
 def keepalive_answered_since(kv: object, since: float) -> bool:

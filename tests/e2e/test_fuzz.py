@@ -5,19 +5,18 @@ invariant fails the call as INTERNAL), through the generated stub and as raw bod
 (random bytes, truncated, mutated and hand-made malformed encodings of every method's
 request) through a generic channel.
 
-The fuzzer keeps a model of what the server should hold: the sessions (id, name, quota,
-cache namespace, the index Stats shows, prefix query and hit tokens, evictions), each
-session's open requests (request id, slot, alloced length, the pages of its row, in
-order), the server's stack of free request slots, and the pages (:class:`PoolModel`):
-each page's reference count, the prefix cache per namespace (cached chains keyed by the
-whole token prefix up to each page's end, every cached page held or not) and the LRU of
-evictable pages (queued as the server queues them: the pages each drop of references
-lets go of, rows one after another, first column first, a repeated page by its first
-appearance, reversed so a chain's end is older than its beginning); free pages are the
-rest. From the model it knows, for each call it makes, whether the call is valid, and if
-not, which refusals the design allows (DESIGN §4: the ``ErrorInfo`` reason, and the gRPC
-code that reason comes with; the token lists' format is checked before the session is
-looked up). After every call it checks:
+The fuzzer keeps a model of what the server should hold: the core's, the reference
+model ``tests/kvmodel.py`` that the core's property tests share (each session's open
+requests with their lengths and rows, the server's stack of free request slots, each
+page's reference count, the prefix cache per namespace -- cached chains keyed by the
+whole token prefix up to each page's end, every cached page held or not -- the LRU of
+evictable pages, the free pages, the prefix counters; see its docstring for the rules),
+its owners the sessions by id; and here the sessions layer's part: each session's name,
+quota (which the core is given capped at the pool) and the index Stats shows. From the
+model it knows, for each call it makes, whether the call is valid, and if not, which
+refusals the design allows (docs/DESIGN.md, Errors: the ``ErrorInfo`` reason, and the
+gRPC code that reason comes with; the token lists' format is checked before the session
+is looked up: the wire's own refusals, here). After every call it checks:
 
 * the status is OK, INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION or
   RESOURCE_EXHAUSTED -- never UNKNOWN, INTERNAL or UNAVAILABLE -- and a refusal carries a
@@ -68,18 +67,19 @@ Every example starts from the same state: two sessions in the default namespace 
 and "tight" with a quota of a third of the pool, whose matches stop at it), no cached
 page, the free request slots in their first order (:meth:`Fuzzer.settle`, at the end of
 each example: the cache's LRU depends on slot numbers, since a Detach releases its
-requests in slot order, and the draws may depend only on earlier draws). Raw bodies cannot desync the model: those of
-Step, Open, Detach and KeepAlive name a fixed unknown session (so they change nothing
-whatever they parse to), those of Attach are handled as the request they parse to, and
-Stats after every call would show any change the model did not make. After a failed
-example (hypothesis shrinks it on the same server) :meth:`Fuzzer.resync` brings the
-server back to that state without the model's help.
+requests in slot order, and the draws may depend only on earlier draws). Raw bodies
+cannot desync the model: those of Step, Open, Detach and KeepAlive name a fixed unknown
+session (so they change nothing whatever they parse to), those of Attach are handled as
+the request they parse to, and Stats after every call would show any change the model
+did not make. After a failed example (hypothesis shrinks it on the same server)
+:meth:`Fuzzer.resync` brings the server back to that state without the model's help.
 
 Profiles (fuzz calls, split evenly between the two geometries, at least this many: whole
-examples run; the Stats calls of the checks are not counted). Both print, per geometry,
-the calls by method and outcome, the alloc items by status, what valid steps did to the
-prefix cache (items, pages cached, switched, matched and evicted) and the refused Steps
-by reason and kind:
+examples run; the Stats calls of the checks are not counted; hypothesis's profiles in
+``tests/conftest.py`` do not change them). Both print, per geometry, the calls by
+method and outcome, the alloc items by status, what valid steps did to the prefix cache
+(items, pages cached, switched, matched and evicted) and the refused Steps by reason and
+kind:
 
 * quick, the default (CI): ``KVMEM_FUZZ_CALLS`` unset = 3,000 calls (about 4,000 with
   the resets), 12-15 s here (2 cores, shared);
@@ -128,6 +128,7 @@ from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
+from kvmodel import MAX_REQUEST_ID_BYTES, Answer, KVModel, Request, Step, ceil_div, split
 
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
@@ -183,7 +184,6 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_NAME_CHARS = 256  # sessions.MAX_NAME_CHARS (characters)
 MAX_NAMESPACE_CHARS = 256  # sessions.MAX_NAMESPACE_CHARS (characters)
-MAX_REQUEST_ID_BYTES = 256  # core.slots.MAX_REQUEST_ID_BYTES (bytes of UTF-8)
 
 Code = grpc.StatusCode
 ALLOWED_CODES = {Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED}
@@ -200,7 +200,6 @@ REASON_CODE = {
     "TOO_MANY_SESSIONS": Code.RESOURCE_EXHAUSTED,
     "PAGE_SHARED": Code.FAILED_PRECONDITION,
 }
-OK_STATUS, OUT_OF_PAGES, CONTEXT_TOO_LONG, QUOTA_EXCEEDED, ABORTED = 0, 1, 2, 3, 4
 
 # What a refused Step's message says, for the summary of refusals by kind.
 FAULT_KINDS = [
@@ -257,10 +256,6 @@ CRAFTED = [
 ]
 
 
-def utf8_len(s: str) -> int:
-    return len(s.encode("utf-8", "surrogatepass"))
-
-
 def int32s(data: bytes) -> list[int]:
     assert len(data) % 4 == 0, f"an int32 bytes field of {len(data)} bytes"
     return list(struct.unpack(f"<{len(data) // 4}i", data))
@@ -271,129 +266,35 @@ def short(msg: Any, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-# --------------------------------------------------------------------------- model
-
-Key = tuple[str, tuple[int, ...]]  # a cached page's key: (namespace, its tokens and all before them)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def chain_keys(namespace: str, tokens: list[int], n: int, page_size: int) -> list[Key]:
-    """The keys of the first ``n`` full pages of ``tokens``: each names the whole prefix
-    up to its page's end, so equal keys mean equal chains (what the server's hash chain
-    stands for)."""
-    return [(namespace, tuple(tokens[: (c + 1) * page_size])) for c in range(n)]
-
-
-@dataclasses.dataclass
-class RequestModel:
-    rid: str
-    length: int = 0
-    pages: list[int] = dataclasses.field(default_factory=list)
-    script: list[int] = dataclasses.field(default_factory=list)  # the token ids it was matched with (for draws)
+# ------------------------------------------------------- sessions and the wire
 
 
 @dataclasses.dataclass
 class SessionModel:
+    """A session: what the sessions layer adds to its owner in the core's model (the
+    model's owner is the session id)."""
+
+    model: KVModel
     sid: str
     name: str
     quota: int | None
     namespace: str = ""
     index: int | None = None  # learnt from the Stats after its Attach
-    requests: dict[int, RequestModel] = dataclasses.field(default_factory=dict)  # by slot
-    ids: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> slot
-    query_tokens: int = 0  # what its match items asked for
-    hit_tokens: int = 0  # what they matched
-    evictions: int = 0  # cached pages its allocs evicted
 
-    def held(self) -> int:
-        return sum(len(r.pages) for r in self.requests.values())
+    @property
+    def requests(self) -> dict[int, Request]:
+        """Its open requests by slot, in the order they were opened."""
+        return self.model.requests_of(self.sid)
 
+    @property
+    def ids(self) -> dict[str, int]:
+        """Request id -> slot."""
+        return {r.rid: slot for slot, r in self.requests.items()}
 
-class PoolModel:
-    """The pages beyond the rows: each page's reference count (its entries in all rows),
-    the prefix cache (key <-> page, for every cached page, held or not) and the
-    evictable queue (cached pages nobody holds, least recently queued first). Free pages
-    are the rest. The server's rules (DESIGN §3, ``server/core/pool.py``): a drop of
-    references queues the cached pages it leaves unheld in the order they come out of
-    it (rows one after another, each first column first, a page listed twice by its
-    first appearance), reversed, so a chain's end is older than its beginning; a match
-    or a switch that takes a queued page back takes it out; an alloc takes the free
-    pages first and evicts only the shortfall, from the queue's head."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.ref: collections.Counter[int] = collections.Counter()
-        self.index: dict[Key, int] = {}
-        self.key: dict[int, Key] = {}
-        self.lru: list[int] = []
-
-    def copy(self) -> PoolModel:
-        c = PoolModel(self.total)
-        c.ref, c.index, c.key, c.lru = self.ref.copy(), dict(self.index), dict(self.key), list(self.lru)
-        return c
-
-    def used(self) -> set[int]:
-        return {p for p, n in self.ref.items() if n > 0}
-
-    def free(self) -> set[int]:
-        return set(range(1, self.total + 1)) - self.used() - self.key.keys()
-
-    def num_free(self) -> int:
-        return self.total - len(self.used() | self.key.keys())
-
-    def share(self, pages: list[int]) -> None:
-        for p in pages:
-            if self.ref[p] == 0 and p in self.key:
-                self.lru.remove(p)
-            self.ref[p] += 1
-
-    def unref(self, pages: list[int]) -> None:
-        for p in pages:
-            assert self.ref[p] > 0, f"the model drops page {p}, which no row holds"
-            self.ref[p] -= 1
-        freed = [p for p in dict.fromkeys(pages) if self.ref[p] == 0]
-        self.lru.extend(reversed([p for p in freed if p in self.key]))
-
-    def take(self, n: int) -> list[int]:
-        """An alloc of ``n`` pages: the cached pages it evicts (the queue's head), gone
-        from the cache. The caller gives the pages their reference."""
-        short = max(n - self.num_free(), 0)
-        evicted, self.lru = self.lru[:short], self.lru[short:]
-        for p in evicted:
-            del self.index[self.key.pop(p)]
-        return evicted
-
-    def insert(self, row: list[int], keys: list[Key]) -> tuple[int, int]:
-        """A release or cache item: cache the row's first ``len(keys)`` pages; where a key
-        is cached on another page, switch the row to it (its own copy is dropped).
-        Returns (pages inserted, pages switched)."""
-        inserted, new, old = 0, [], []
-        for c, k in enumerate(keys):
-            have = self.index.get(k)
-            if have is None:
-                assert row[c] not in self.key, f"the model caches page {row[c]} twice"
-                self.index[k], self.key[row[c]] = row[c], k
-                inserted += 1
-            elif have != row[c]:
-                new.append(have)
-                old.append(row[c])
-                row[c] = have
-        self.share(new)
-        self.unref(old)
-        return inserted, len(new)
-
-    def cached_prefix(self, row: list[int]) -> list[int]:
-        """The token ids of a row's cached pages (always its first columns)."""
-        known: list[int] = []
-        for p in row:
-            k = self.key.get(p)
-            if k is None:
-                break
-            known = list(k[1])
-        return known
+    @property
+    def quota_pages(self) -> int | None:
+        """The quota the core is given (the sessions layer caps it at the pool)."""
+        return None if self.quota is None else min(self.quota, self.model.num_pages)
 
 
 def parse_tokens(ids: bytes, offsets: bytes, n: int) -> tuple[list[list[int]] | None, str | None]:
@@ -412,61 +313,33 @@ def parse_tokens(ids: bytes, offsets: bytes, n: int) -> tuple[list[list[int]] | 
     return [tokens[a:b] for a, b in itertools.pairwise(off)], None
 
 
-@dataclasses.dataclass
-class StepItems:
-    """A StepRequest's columns, its token lists parsed (None: absent or refused)."""
-
-    rel: list[int]
-    tr: list[int]
-    tl: list[int]
-    al: list[int]
-    an: list[int]
-    ae: list[int]
-    cs: list[int]
-    ms: list[int]
-    limits: list[int]
-    atomic: bool
-    rel_tokens: list[list[int]] | None = None
-    cache_tokens: list[list[int]] | None = None
-    match_tokens: list[list[int]] | None = None
-    wire: set[str] = dataclasses.field(default_factory=set)  # reasons the wire layer refuses it for
-
-    @classmethod
-    def of(cls, req: kvmem_pb2.StepRequest) -> StepItems:
-        items = cls(
-            list(req.release_slots), list(req.truncate_slots), list(req.truncate_lens), list(req.alloc_slots),
-            list(req.alloc_needs), list(req.alloc_expected_lens), list(req.cache_slots), list(req.match_slots),
-            list(req.match_max_tokens), req.atomic,
-        )  # fmt: skip
-        for name, n in (("release", len(items.rel)), ("cache", len(items.cs)), ("match", len(items.ms))):
-            lists, reason = parse_tokens(getattr(req, f"{name}_token_ids"), getattr(req, f"{name}_token_offsets"), n)
-            setattr(items, f"{'rel' if name == 'release' else name}_tokens", lists)
-            if reason is not None:
-                items.wire.add(reason)
-        return items
-
-    @property
-    def has_prefix_items(self) -> bool:
-        return self.rel_tokens is not None or bool(self.cs) or bool(self.ms)
+def step_of(req: kvmem_pb2.StepRequest) -> tuple[Step, set[str]]:
+    """A StepRequest's columns, its token lists parsed (None: absent or refused), and
+    the reasons the wire layer refuses it for."""
+    lists, wire = {}, set()
+    for name, n in (
+        ("release", len(req.release_slots)),
+        ("cache", len(req.cache_slots)),
+        ("match", len(req.match_slots)),
+    ):
+        lists[name], reason = parse_tokens(getattr(req, f"{name}_token_ids"), getattr(req, f"{name}_token_offsets"), n)
+        if reason is not None:
+            wire.add(reason)
+    step = Step(
+        list(req.release_slots), lists["release"], list(req.truncate_slots), list(req.truncate_lens),
+        list(req.cache_slots), lists["cache"], list(req.match_slots), lists["match"], list(req.match_max_tokens),
+        list(req.alloc_slots), list(req.alloc_needs), list(req.alloc_expected_lens), req.atomic,
+    )  # fmt: skip
+    return step, wire
 
 
-@dataclasses.dataclass
-class StepPlan:
-    """A valid step's effect up to its allocs (on copies), and what the answer must say."""
-
-    pool: PoolModel
-    rows: dict[int, list[int]]
-    lengths: dict[int, int]
-    needs: list[int]
-    status: list[int]
-    dropped: int
-    inserted: int
-    switched: list[int]
-    match_lens: list[int]
-    query: int
-    free_before: set[int]  # the free pages when the allocs take theirs
-    evicted: list[int]  # the cached pages they evict, in order
-    capped: int  # match items the quota stopped short of a longer run
+def answer_of(resp: kvmem_pb2.StepResponse, n: int) -> Answer:
+    """A StepResponse to ``n`` alloc items, as the model reads a result."""
+    return Answer(
+        list(resp.alloc_status), split(int32s(resp.kv_loc), int32s(resp.kv_loc_offsets), n, "kv_loc"),
+        split(int32s(resp.new_pages), int32s(resp.new_page_offsets), n, "new_pages"), resp.num_pages_released,
+        int32s(resp.match_lens), int32s(resp.cache_switched), resp.num_pages_cached, resp.num_pages_evicted,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -495,10 +368,7 @@ class Fuzzer:
         )
         self.sessions: dict[str, SessionModel] = {}
         self.dead: list[str] = []  # ids of ended sessions
-        self.pool = PoolModel(geometry.total)
-        self.slot_stack = list(range(geometry.max_requests, 0, -1))  # the server's free request slots, top last
-        # The server's prefix totals since it started (Stats).
-        self.query_tokens = self.hit_tokens = self.evictions = 0
+        self.model = self.fresh_model()  # the core's state; its owners are the sessions, by id
         self.epoch: str | None = None
         self.block_table: tuple[str, tuple[int, ...]] | None = None  # shm path, shape
         self.calls = 0  # fuzz calls
@@ -519,10 +389,17 @@ class Fuzzer:
     def done(self) -> bool:
         return self.calls >= self.budget
 
-    def open_slots(self) -> dict[int, SessionModel]:
-        return {slot: s for s in self.sessions.values() for slot in s.requests}
+    def fresh_model(self) -> KVModel:
+        g = self.g
+        return KVModel(g.num_pages, g.page_size, g.max_requests, g.max_context)
 
-    # ------------------------------------------------------------------ calls
+    @contextlib.contextmanager
+    def checking(self, what: str) -> Iterator[None]:
+        """The model's checks of an answer, failing with the transcript and the log."""
+        try:
+            yield
+        except AssertionError as err:
+            raise AssertionError(self.fail(f"{what}: {err}")) from None
 
     # ------------------------------------------------------------------ calls
 
@@ -605,7 +482,8 @@ class Fuzzer:
             return
         assert resp.session_id and resp.session_id not in self.sessions and resp.session_id not in self.dead
         quota = req.quota_pages if req.HasField("quota_pages") else None
-        self.sessions[resp.session_id] = SessionModel(resp.session_id, req.name, quota, req.cache_namespace)
+        self.sessions[resp.session_id] = SessionModel(self.model, resp.session_id, req.name, quota, req.cache_namespace)
+        self.model.add_owner(resp.session_id, req.cache_namespace)
         g = resp.geometry
         assert (g.num_pages, g.page_size, g.max_requests, g.max_context_len, g.max_pages_per_request) == (
             self.g.num_pages, self.g.page_size, self.g.max_requests, self.g.max_context, self.g.width,
@@ -632,289 +510,58 @@ class Fuzzer:
     def end(self, s: SessionModel) -> None:
         """A session ended: its requests are released as one release of its slots in
         ascending order, without token ids."""
-        slots = sorted(s.requests)
-        self.pool.unref([p for x in slots for p in s.requests[x].pages])
-        self.slot_stack.extend(slots)
+        self.model.remove_owner(s.sid)
         del self.sessions[s.sid]
         self.dead.append(s.sid)
         del self.dead[:-8]
 
     def open(self, req: kvmem_pb2.OpenRequest, body: bytes | None = None) -> None:
-        s = self.sessions.get(req.session_id)
         ids = list(req.request_ids)
-        reasons = set()
-        if s is None:
-            reasons.add("UNKNOWN_SESSION")
-        if len(ids) > self.g.max_requests:
-            reasons.add("BAD_VALUE")
-        if any(not rid or utf8_len(rid) > MAX_REQUEST_ID_BYTES for rid in ids):
-            reasons.add("BAD_VALUE")
-        new_ids = list(dict.fromkeys(rid for rid in ids if s is None or rid not in s.ids))
-        if s is not None and len(new_ids) > len(self.slot_stack):
-            reasons.add("NO_FREE_REQUEST_SLOT")
+        reasons = self.model.open_faults(req.session_id, ids)
         resp, ref = self.call("Open", req, body)
         self.expect("Open", ref, reasons)
         if resp is None:
             return
-        assert s is not None
-        slots = list(resp.slots)
         # New ids take the free slots from the top of the server's stack, in order.
-        given = dict(zip(new_ids, reversed(self.slot_stack[len(self.slot_stack) - len(new_ids) :]), strict=True))
-        want = [s.ids[rid] if rid in s.ids else given[rid] for rid in ids]
+        slots, want = list(resp.slots), self.model.open(req.session_id, ids)
         assert slots == want, self.fail(f"Open: slots {slots} for ids {ids}, the model {want}")
-        del self.slot_stack[len(self.slot_stack) - len(new_ids) :]
-        for rid, slot in given.items():
-            s.ids[rid] = slot
-            s.requests[slot] = RequestModel(rid)
 
     def step(self, req: kvmem_pb2.StepRequest, body: bytes | None = None) -> None:
         """A Step: the model says whether it is valid (else which refusals it allows)
         and, if so, all it does but the free pages its allocs take, which the answer
         names (checked: free ones, then the evicted ones in the model's order)."""
         s = self.sessions.get(req.session_id)
-        items = StepItems.of(req)
+        step, wire = step_of(req)
         # The token lists are read before the session is looked up.
-        reasons = items.wire | self.step_item_faults(s, items) if s is not None else items.wire or {"UNKNOWN_SESSION"}
-        plan = None if reasons else self.plan_step(s, items)  # type: ignore[arg-type]
+        reasons = wire | self.model.step_faults(s.sid, step) if s is not None else wire or {"UNKNOWN_SESSION"}
         resp, ref = self.call("Step", req, body)
         self.expect("Step", ref, reasons)
         if ref is not None:
             self.faults[(ref.reason, next((k for k in FAULT_KINDS if k in ref.message), "other"))] += 1
-        if resp is not None:
-            assert s is not None and plan is not None
-            self.apply_step(s, items, resp, plan)
-
-    def step_item_faults(self, s: SessionModel, it: StepItems) -> set[str]:
-        """The reasons each item of a step could be refused for (any order of checks;
-        the checks of the token lists' format are the wire layer's: ``it.wire``)."""
-        g, ps = self.g, self.g.page_size
-        reasons: set[str] = set()
-        mine = s.requests
-        rel, tr, tl, al, an, ae, cs, ms = it.rel, it.tr, it.tl, it.al, it.an, it.ae, it.cs, it.ms
-        if max(len(rel), len(tr), len(tl), len(al), len(an), len(ae), len(cs), len(ms)) > g.max_requests:
-            reasons.add("BAD_VALUE")
-        if len(tr) != len(tl) or len(al) != len(an) or (ae and len(ae) != len(al)):
-            reasons.add("LENGTH_MISMATCH")
-        if (cs and it.cache_tokens is None) or (ms and it.match_tokens is None):
-            reasons.add("LENGTH_MISMATCH")  # items without token lists
-        if it.limits and len(it.limits) != len(ms):
-            reasons.add("LENGTH_MISMATCH")
-
-        def slots(column: list[int], released: set[int]) -> None:
-            seen = set()
-            for x in column:
-                if x not in mine or x in released:
-                    reasons.add("SLOT_NOT_FOUND")
-                if x in mine and x in seen:
-                    reasons.add("DUPLICATE_SLOT")
-                seen.add(x)
-
-        slots(rel, set())
-        slots(tr, set(rel))
-        for x, n in zip(tr, tl, strict=False):
-            if n < 0:
-                reasons.add("BAD_VALUE")
-            elif x in mine and n > mine[x].length:
-                reasons.add("TRUNCATE_BEYOND_ALLOCED")
-        slots(ms, set(rel))
-        slots(al, set(rel))
-        if any(n < 0 or n > INT32_MAX for n in an):
-            reasons.add("BAD_VALUE")
-        after = {x: r.length for x, r in mine.items()}
-        after.update(zip(tr, tl, strict=False))  # a truncated slot's length in this step (the last item wins)
-        for x, e in zip(al, ae, strict=False):
-            if e < -1 or (e != -1 and x in ms):  # a matched alloc's length is the match's to decide
-                reasons.add("BAD_VALUE")
-            elif e != -1 and x in mine and e != after[x]:
-                reasons.add("ALLOCED_LEN_MISMATCH")
-        # The prefix cache's checks.
-        slots(cs, set(rel))
-        if any(x in mine and after[x] != 0 for x in ms):
-            reasons.add("ALLOCED_LEN_MISMATCH")  # a match needs a fresh request
-        if any(v < -1 for v in it.limits):
-            reasons.add("BAD_VALUE")
-        key = self.pool.key
-        for x, n in zip(tr, tl, strict=False):  # into the middle of a cached page
-            if x in mine and 0 <= n < mine[x].length and n % ps and mine[x].pages[n // ps] in key:
-                reasons.add("PAGE_SHARED")
-        for column, lists in ((rel, it.rel_tokens), (cs, it.cache_tokens)):
-            for x, tokens in zip(column, lists or [], strict=False):
-                if x not in mine:
-                    continue
-                have = mine[x].length if column is rel else after[x]
-                if len(tokens) > have:
-                    reasons.add("ALLOCED_LEN_MISMATCH")
-                    continue
-                n = len(tokens) // ps
-                row = mine[x].pages
-                for c, k in enumerate(chain_keys(s.namespace, tokens, n, ps)):
-                    if c < len(row) and row[c] in key and key[row[c]] != k:
-                        reasons.add("BAD_VALUE")  # the tokens differ from those its page is cached with
-                        break
-        return reasons
-
-    def plan_step(self, s: SessionModel, it: StepItems) -> StepPlan:
-        """A valid step on copies of the model, in the server's order: releases (their
-        token ids cached first), truncates, cache items, matches, then each alloc item's
-        status (greedy admission in item order, then ``atomic``) and the evictions."""
-        g, ps, ns = self.g, self.g.page_size, s.namespace
-        pool = self.pool.copy()
-        rows = {slot: list(r.pages) for slot, r in s.requests.items()}
-        lengths = {slot: r.length for slot, r in s.requests.items()}
-        inserted = 0
-        for x, tokens in zip(it.rel, it.rel_tokens or [], strict=False):
-            n = len(tokens) // ps
-            inserted += pool.insert(rows[x], chain_keys(ns, tokens, n, ps))[0]
-        drop = [p for x in it.rel for p in rows.pop(x)]
-        for x in it.rel:
-            del lengths[x]
-        pool.unref(drop)
-        dropped = len(drop)
-        drop = []
-        for x, n in zip(it.tr, it.tl, strict=True):
-            keep = ceil_div(n, ps)
-            drop += rows[x][keep:]
-            rows[x] = rows[x][:keep]
-            lengths[x] = n
-        pool.unref(drop)
-        dropped += len(drop)
-        switched = []
-        for x, tokens in zip(it.cs, it.cache_tokens or [], strict=True):
-            got, moved = pool.insert(rows[x], chain_keys(ns, tokens, len(tokens) // ps, ps))
-            inserted += got
-            switched.append(moved)
-        quota = None if s.quota is None else min(s.quota, g.num_pages)
-        quota_left = None if quota is None else quota - sum(len(r) for r in rows.values())
-        match_lens, attached, query, capped = [], [], 0, 0
-        for i, (x, tokens) in enumerate(zip(it.ms, it.match_tokens or [], strict=True)):
-            limit = len(tokens)
-            if it.limits and it.limits[i] >= 0:
-                limit = min(limit, it.limits[i])
-            query += limit
-            most = min(limit // ps, g.max_context // ps)
-            k = most if quota_left is None else min(most, max(quota_left, 0))
-            run = []
-            for key in chain_keys(ns, tokens, most, ps):
-                page = pool.index.get(key)
-                if page is None:
-                    break
-                if len(run) == k:  # the quota stops a longer match
-                    capped += 1
-                    break
-                run.append(page)
-            rows[x], lengths[x] = run, len(run) * ps
-            match_lens.append(len(run) * ps)
-            attached += run
-            if quota_left is not None:
-                quota_left -= len(run)
-        pool.share(attached)
-        matched = dict(zip(it.ms, match_lens, strict=True))
-        needs = [max(n - matched[x], 0) if x in matched else n for x, n in zip(it.al, it.an, strict=True)]
-        pool_left = pool.num_free() + len(pool.lru)
-        quota_left = None if quota is None else quota - sum(len(r) for r in rows.values())
-        status, total = [], 0
-        for x, need in zip(it.al, needs, strict=True):
-            cur = lengths[x]
-            cnt = ceil_div(cur + need, ps) - ceil_div(cur, ps)
-            if cur + need > g.max_context:
-                status.append(CONTEXT_TOO_LONG)
-            elif quota_left is not None and cnt > quota_left:
-                status.append(QUOTA_EXCEEDED)
-            elif cnt > pool_left:
-                status.append(OUT_OF_PAGES)
-            else:
-                status.append(OK_STATUS)
-                pool_left -= cnt
-                total += cnt
-                if quota_left is not None:
-                    quota_left -= cnt
-        if it.atomic and any(st_ != OK_STATUS for st_ in status):
-            status = [ABORTED if st_ == OK_STATUS else st_ for st_ in status]
-            total = 0
-        free_before = pool.free()
-        evicted = pool.take(total)
-        return StepPlan(
-            pool, rows, lengths, needs, status, dropped, inserted, switched, match_lens, query, free_before, evicted,
-            capped,
-        )  # fmt: skip
-
-    def apply_step(self, s: SessionModel, it: StepItems, resp: kvmem_pb2.StepResponse, p: StepPlan) -> None:
-        g, al, n = self.g, it.al, len(it.al)
-        status = list(resp.alloc_status)
-        assert status == p.status, self.fail(f"Step: alloc status {status}, the model says {p.status}")
-        self.alloc_items.update(kvmem_pb2.AllocStatus.Name(x).removeprefix("ALLOC_STATUS_") for x in status)
-        kv, kv_off = int32s(resp.kv_loc), int32s(resp.kv_loc_offsets)
-        new, new_off = int32s(resp.new_pages), int32s(resp.new_page_offsets)
-        assert len(kv_off) == n + 1 and len(new_off) == n + 1 and kv_off[0] == 0 and new_off[0] == 0, self.fail(
-            f"Step: offsets {kv_off} / {new_off} for {n} items"
-        )
-        assert kv_off[-1] == len(kv) and new_off[-1] == len(new), self.fail("Step: offsets do not end at the data")
-        assert resp.num_pages_released == p.dropped, self.fail(
-            f"Step: num_pages_released {resp.num_pages_released}, the model dropped {p.dropped}"
-        )
-        got = (int32s(resp.match_lens), int32s(resp.cache_switched), resp.num_pages_cached, resp.num_pages_evicted)
-        want = (p.match_lens, p.switched, p.inserted, len(p.evicted))
-        assert got == want, self.fail(
-            f"Step: (match_lens, cache_switched, num_pages_cached, num_pages_evicted) = {got}, the model {want}"
-        )
-        # The pages taken: every free one first when the pool is short, then the evicted ones.
-        from_free = len(new) - len(p.evicted)
-        assert from_free >= 0 and new[from_free:] == p.evicted, self.fail(
-            f"Step: new pages {new}, the model evicts {p.evicted} (the least recently queued cached pages)"
-        )
-        taken = set(new[:from_free])
-        assert len(taken) == from_free and taken <= p.free_before, self.fail(
-            f"Step: new pages {new[:from_free]} are not distinct free pages (free: {sorted(p.free_before)})"
-        )
-        assert not p.evicted or taken == p.free_before, self.fail(
-            f"Step: evicted {p.evicted} while free pages {sorted(p.free_before - taken)} were left"
-        )
-        rows, lengths = p.rows, p.lengths
-        for i, (x, need) in enumerate(zip(al, p.needs, strict=True)):
-            got_kv, got_new = kv[kv_off[i] : kv_off[i + 1]], new[new_off[i] : new_off[i + 1]]
-            if status[i] != OK_STATUS:
-                assert not got_kv and not got_new, self.fail(f"Step: refused item {i} got kv_loc or pages")
-                continue
-            cur, row = lengths[x], rows[x]
-            cnt = ceil_div(cur + need, g.page_size) - len(row)
-            assert len(got_new) == cnt, self.fail(f"Step: item {i} took {len(got_new)} pages, the model says {cnt}")
-            row.extend(got_new)
-            p.pool.share(got_new)
-            want_kv = [row[t // g.page_size] * g.page_size + t % g.page_size for t in range(cur, cur + need)]
-            assert got_kv == want_kv, self.fail(
-                f"Step: item {i} (slot {x}) kv_loc {got_kv[:20]}, the model {want_kv[:20]}"
-            )
-            lengths[x] = cur + need
-        for x in it.rel:
-            del s.ids[s.requests.pop(x).rid]
-        self.slot_stack.extend(it.rel)
-        for x, tokens in zip(it.ms, it.match_tokens or [], strict=True):
-            s.requests[x].script = tokens
-        for slot, r in s.requests.items():
-            r.pages, r.length = rows[slot], lengths[slot]
-        self.pool = p.pool
-        hits = sum(p.match_lens)
-        s.query_tokens += p.query
-        s.hit_tokens += hits
-        s.evictions += len(p.evicted)
-        self.query_tokens += p.query
-        self.hit_tokens += hits
-        self.evictions += len(p.evicted)
+        if resp is None:
+            return
+        assert s is not None
+        with self.checking("Step"):
+            fx = self.model.step(s.sid, step, s.quota_pages, answer_of(resp, len(step.alloc_slots)))
+        for x, tokens in zip(step.match_slots, step.match_tokens or [], strict=True):
+            self.model.requests[x].script = tokens  # for the draws
+        self.alloc_items.update(kvmem_pb2.AllocStatus.Name(x).removeprefix("ALLOC_STATUS_") for x in resp.alloc_status)
+        hits = sum(int32s(resp.match_lens))
         self.prefix.update(
             {
-                "release items with tokens": len(it.rel) if it.rel_tokens is not None else 0,
-                "cache items": len(it.cs),
-                "match items": len(it.ms),
-                "match items that hit": sum(1 for m in p.match_lens if m),
-                "match items capped by the quota": p.capped,
-                "matched pages": hits // g.page_size,
-                "pages cached": p.inserted,
-                "pages switched": sum(p.switched),
-                "pages evicted by resets" if self.resetting else "pages evicted": len(p.evicted),
+                "release items with tokens": len(step.release_slots) if step.release_tokens is not None else 0,
+                "cache items": len(step.cache_slots),
+                "match items": len(step.match_slots),
+                "match items that hit": sum(1 for m in int32s(resp.match_lens) if m),
+                "match items capped by the quota": fx.capped,
+                "matched pages": hits // self.g.page_size,
+                "pages cached": fx.inserted,
+                "pages switched": sum(int32s(resp.cache_switched)),
+                "pages evicted by resets" if self.resetting else "pages evicted": len(fx.evicted),
             }
         )
-        assert resp.num_free_pages == self.pool.num_free(), self.fail(
-            f"Step: num_free_pages {resp.num_free_pages}, the model {self.pool.num_free()}"
+        assert resp.num_free_pages == len(self.model.free), self.fail(
+            f"Step: num_free_pages {resp.num_free_pages}, the model {len(self.model.free)}"
         )
 
     def stats(self, req: kvmem_pb2.StatsRequest, body: bytes | None = None) -> None:
@@ -952,25 +599,14 @@ class Fuzzer:
 
     def compare(self, st_: kvmem_pb2.StatsResponse) -> None:
         """The server's Stats against the model."""
-        g, pool = self.g, self.pool
-        used = pool.used()
-        rows = collections.Counter(p for s in self.sessions.values() for r in s.requests.values() for p in r.pages)
-        assert +pool.ref == rows, f"the model's counts {dict(+pool.ref)} are not its rows' {dict(rows)}"
-        assert sorted(pool.lru) == sorted(pool.key.keys() - used), "the model's queue is not its unheld cached pages"
-        assert len(pool.index) == len(pool.key), "the model's key index and page keys differ"
-        got = (st_.num_pages_total, st_.num_free_pages, st_.num_used_pages, st_.num_cached_pages,
-               st_.num_quarantined_pages, st_.num_open_requests, st_.num_free_request_slots)  # fmt: skip
-        opened = len(self.open_slots())
-        want = (g.total, pool.num_free(), len(used), len(pool.lru), 0, opened, g.max_requests - opened)
-        assert got == want, self.fail(
-            f"Stats (total, free, used, cached, quarantined, open requests, free slots) = {got}, the model {want}"
-        )
-        got_c = (st_.num_cache_entries, st_.num_evictions, st_.prefix_query_tokens, st_.prefix_hit_tokens,
-                 st_.prefix_cache_enabled, st_.prefix_hash)  # fmt: skip
-        want_c = (len(pool.index), self.evictions, self.query_tokens, self.hit_tokens, True, "xxh3-128")
-        assert got_c == want_c, self.fail(
-            f"Stats (cache entries, evictions, query tokens, hit tokens, enabled, hash) = {got_c}, the model {want_c}"
-        )
+        model = self.model
+        with self.checking("the model"):
+            model.check()
+        want = model.stats()
+        got = {name: getattr(st_, name) for name in want}
+        assert got == want, self.fail(f"Stats {got}, the model {want}")
+        got_c = (st_.prefix_cache_enabled, st_.prefix_hash)
+        assert got_c == (True, "xxh3-128"), self.fail(f"Stats (prefix cache enabled, hash) = {got_c}")
         by_index = {u.index: u for u in st_.sessions}
         known = {s.index for s in self.sessions.values() if s.index is not None}
         fresh = sorted(set(by_index) - known)
@@ -985,13 +621,11 @@ class Fuzzer:
         )
         for s in self.sessions.values():
             u = by_index[s.index]
-            quota = None if s.quota is None else min(s.quota, g.num_pages)
-            got_u = (u.name, u.num_requests, u.num_pages_held, u.quota_pages if u.HasField("quota_pages") else None,
+            got_u = (u.name, u.quota_pages if u.HasField("quota_pages") else None, u.num_requests, u.num_pages_held,
                      u.cache_namespace, u.prefix_query_tokens, u.prefix_hit_tokens, u.num_evictions)  # fmt: skip
-            want_u = (s.name or f"session-{s.index}", len(s.requests), s.held(), quota, s.namespace, s.query_tokens,
-                      s.hit_tokens, s.evictions)  # fmt: skip
+            want_u = (s.name or f"session-{s.index}", s.quota_pages, *model.usage(s.sid))
             assert got_u == want_u, self.fail(
-                f"Stats: session {s.index} (name, requests, pages, quota, namespace, query tokens, hit tokens, "
+                f"Stats: session {s.index} (name, quota, requests, pages, namespace, query tokens, hit tokens, "
                 f"evictions) = {got_u}, the model {want_u}"
             )
 
@@ -1000,10 +634,7 @@ class Fuzzer:
             return
         path, shape = self.block_table
         table = np.fromfile(path, dtype=np.int32, count=math.prod(shape)).reshape(shape)
-        want = np.zeros(shape, dtype=np.int32)
-        for s in self.sessions.values():
-            for slot, r in s.requests.items():
-                want[slot, : len(r.pages)] = r.pages
+        want = self.model.table(shape)
         bad = np.flatnonzero((table != want).any(axis=1))
         assert not bad.size, self.fail(
             f"block table rows {bad.tolist()} differ from the model: "
@@ -1049,10 +680,9 @@ class Fuzzer:
         stub.Detach(kvmem_pb2.DetachRequest(session_id=sid), timeout=t)
         st_ = stub.Stats(kvmem_pb2.StatsRequest(audit=True), timeout=t)
         assert st_.audit.ok and st_.num_free_pages == g.total and not st_.num_cache_entries, short(st_)
-        self.pool = PoolModel(g.total)
-        self.slot_stack = list(range(g.max_requests, 0, -1))
-        self.query_tokens, self.hit_tokens = st_.prefix_query_tokens, st_.prefix_hit_tokens
-        self.evictions = st_.num_evictions
+        self.model = self.fresh_model()
+        self.model.query_tokens, self.model.hit_tokens = st_.prefix_query_tokens, st_.prefix_hit_tokens
+        self.model.evictions = st_.num_evictions
         self.broken = self.settled = False
 
     def reset(self) -> None:
@@ -1089,7 +719,7 @@ class Fuzzer:
         ids = [f"reset{i}" for i in range(g.max_requests)]
         self.open(kvmem_pb2.OpenRequest(session_id=s.sid, request_ids=ids))
         slots = [s.ids[rid] for rid in ids]
-        if self.pool.key:
+        if self.model.key:
             self.resetting = True
             left, al, an = g.total, [], []
             for x in slots:
@@ -1099,10 +729,11 @@ class Fuzzer:
                     an.append(need)
                     left -= ceil_div(need, g.page_size)
             self.step(kvmem_pb2.StepRequest(session_id=s.sid, alloc_slots=al, alloc_needs=an))
-            assert not self.pool.key, self.fail("the reset's alloc left cached pages")
+            assert not self.model.key, self.fail("the reset's alloc left cached pages")
             self.resetting = False
         self.step(kvmem_pb2.StepRequest(session_id=s.sid, release_slots=sorted(slots, reverse=True)))
-        assert self.slot_stack == list(range(g.max_requests, 0, -1)), self.fail(f"slot stack {self.slot_stack}")
+        stack = self.model.slot_stack
+        assert stack == list(range(g.max_requests, 0, -1)), self.fail(f"slot stack {stack}")
         # A second session in the same namespace with a tight quota: its matches of what
         # "fuzz" caches stop at its quota.
         self.attach(kvmem_pb2.AttachRequest(name="tight", quota_pages=g.total // 3))
@@ -1194,7 +825,7 @@ class Generator:
         # server hands out depends on earlier examples, and the draws must not.
         mine = list(s.requests) if s is not None else []
         others = [x for o in self.fz.sessions.values() if o is not s for x in o.requests]
-        closed = [x for x in range(1, self.g.max_requests + 1) if x not in self.fz.open_slots()]
+        closed = [x for x in range(1, self.g.max_requests + 1) if x not in self.fz.model.requests]
         edges = [0, -1, self.g.max_requests + 1, self.g.max_requests + 2, *EDGE_VALUES]
         kind = self.pick(["mine"] * 6 + ["other", "closed", "edge"], "slot kind")
         pool = {"mine": mine, "other": others, "closed": closed, "edge": edges}[kind] or edges
@@ -1388,7 +1019,7 @@ class Generator:
             length = have + self.draw(st.integers(1, ps), f"{what} excess")
         else:
             length = have
-        known = self.fz.pool.cached_prefix(r.pages) if r is not None else []
+        known = self.fz.model.cached_prefix(r.pages) if r is not None else []
         tokens = self.extend(known, length, what, r.script if r is not None else None)
         limit = min(len(known), length // ps * ps)
         if kind == "differ" and limit:
@@ -1403,7 +1034,7 @@ class Generator:
         after a prompt, random, or none."""
         ps, ctx = self.g.page_size, self.g.max_context
         ns = s.namespace if s is not None else ""
-        chains = sorted(k[1] for k in self.fz.pool.index if k[0] == ns)
+        chains = sorted(k[1] for k in self.fz.model.index if k[0] == ns)
         kinds = ["cached"] * 6 if chains else []
         kind = self.pick([*kinds, "prompt", "prompt", "prompt", "same", "tail", "random", "empty"], "match kind")
         if kind == "same" and before:
@@ -1421,12 +1052,12 @@ class Generator:
             tokens = tokens + self.random_tokens(self.draw(st.integers(1, ps), "tail length"), "tail")
         return tokens
 
-    def truncate_len(self, r: RequestModel | None) -> int:
+    def truncate_len(self, r: Request | None) -> int:
         """Mostly to a page boundary or anywhere below the length; into the middle of a
         cached page (PAGE_SHARED); or near the length (beyond it, negative, ...)."""
         ps = self.g.page_size
         cur = r.length if r is not None else 0
-        cached = len(self.fz.pool.cached_prefix(r.pages)) // ps if r is not None else 0
+        cached = len(self.fz.model.cached_prefix(r.pages)) // ps if r is not None else 0
         kind = self.pick(["boundary", "boundary", "any"], "truncate kind")
         kind = self.flaw(["mid cached", "mid cached", "near"], 2, "truncate fault") or kind
         if kind == "boundary":
@@ -1580,7 +1211,7 @@ class Generator:
 
     def run_op(self) -> None:
         op = self.pick(OPS if self.fz.sessions else ["attach"] * 6 + ["step", "open", "raw"], "op")
-        if op in ("step", "decode", "prefix") and not self.fz.open_slots():  # mostly open something first
+        if op in ("step", "decode", "prefix") and not self.fz.model.requests:  # mostly open something first
             op = self.pick(["open"] * 3 + [op], "instead")
         fz = self.fz
         if op == "step":
@@ -1590,7 +1221,7 @@ class Generator:
         elif op == "prefix":
             sid, s = self.session(busy=True)
             fresh = s is not None and any(not r.length for r in s.requests.values())
-            if s is not None and not fresh and fz.slot_stack and self.draw(st.integers(0, 2), "open first") < 2:
+            if s is not None and not fresh and fz.model.slot_stack and self.draw(st.integers(0, 2), "open first") < 2:
                 # New requests for the prefix steps to match (ids it has not open, in order).
                 new_ids = [rid for rid in PLAIN_IDS_LIST if rid not in s.ids][: self.draw(st.integers(1, 2), "new")]
                 fz.open(kvmem_pb2.OpenRequest(session_id=sid, request_ids=new_ids))
