@@ -172,21 +172,19 @@ class StepBatch:
             index_array(limits, "match_max_tokens") if any(x != NO_EXPECTATION for x in limits) else None,
         )
 
-    @property
-    def has_prefix_items(self) -> bool:
-        """Release tokens, cache or match items: the prefix cache has work in this step."""
-        return self.release_tokens is not None or bool(self.cache_slots.size) or bool(self.match_slots.size)
-
     def expectations(self) -> np.ndarray | None:
         """``alloc_expected_lens``, or None when it is absent or empty (no expectation)."""
         expected = self.alloc_expected_lens
         return expected if expected is not None and expected.size else None
 
-    def check_lengths(self, max_items: int) -> None:
+    def check_lengths(self, max_items: int) -> bool:
         """No column holds more than ``max_items`` (the server's ``max_requests``: a
         step names a request slot at most once per column, so a longer column cannot be
         valid), checked first; and columns of one kind have one length each. O(1):
-        plain comparisons, since every step pays for them."""
+        plain comparisons, since every step pays for them. Returns whether the step
+        carries prefix-cache columns (release tokens, cache or match items): the one
+        place that is decided, so the step's path (the decode fast path or not) follows
+        from its check."""
         rel, tr, al = self.release_slots.size, self.truncate_slots.size, self.alloc_slots.size
         expected = self.alloc_expected_lens
         if (
@@ -198,14 +196,15 @@ class StepBatch:
             or (expected is not None and expected.size > max_items)
         ):
             raise self._too_many_items(max_items)
-        if (
+        prefix = bool(
             self.release_tokens is not None
             or self.cache_slots.size
             or self.match_slots.size
             or self.cache_tokens is not None
             or self.match_tokens is not None
             or self.match_max_tokens is not None
-        ):
+        )
+        if prefix:
             self._check_prefix_lengths(max_items)
         if tr != self.truncate_lens.size:
             raise _mismatch("truncate_slots", tr, "truncate_lens", self.truncate_lens.size)
@@ -213,6 +212,7 @@ class StepBatch:
             raise _mismatch("alloc_slots", al, "alloc_needs", self.alloc_needs.size)
         if expected is not None and expected.size and expected.size != al:
             raise _mismatch("alloc_slots", al, "alloc_expected_lens", expected.size)
+        return prefix
 
     def _check_prefix_lengths(self, max_items: int) -> None:
         """The prefix columns: at most ``max_items`` each, one token list per item."""

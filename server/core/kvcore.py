@@ -151,11 +151,10 @@ class KVCore:
         """
         requests = self.slots
         state = requests.owner(owner)
-        batch.check_lengths(self.config.max_requests)
+        prefix = batch.check_lengths(self.config.max_requests)  # and whether it carries prefix work
         rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
         cache = self.cache
         evictions, inserted = cache.num_evictions, cache.num_inserted
-        prefix = batch.has_prefix_items
         if al.size and not rel.size and not tr.size and not prefix:
             # The decode fast path validates, plans and applies in one pass, or
             # changes nothing and leaves the step to the general path.
