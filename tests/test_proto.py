@@ -55,14 +55,15 @@ def test_client_reasons_are_built_from_the_proto() -> None:
 
 
 def test_service_sends_each_reason_as_its_proto_name() -> None:
-    """``_to_status`` puts the reason's proto name (less the prefix) in an ErrorInfo of
+    """``to_status`` puts the reason's proto name (less the prefix) in an ErrorInfo of
     domain kvmem.v1, with the status code of the reason's kind."""
     from google.rpc import error_details_pb2, status_pb2
+
+    from kvmem.server.edge.wire import to_status
     from kvmem.server.errors import KVMemError, Reason
-    from kvmem.server.edge.service import _to_status
 
     for reason in Reason:
-        status = _to_status(KVMemError(reason, f"because of {reason.name}", value=7))
+        status = to_status(KVMemError(reason, f"because of {reason.name}", value=7))
         assert status.code.name == reason.kind.name and status.details == f"because of {reason.name}"
         (detail,) = status_pb2.Status.FromString(dict(status.trailing_metadata)["grpc-status-details-bin"]).details
         info = error_details_pb2.ErrorInfo()

@@ -23,7 +23,6 @@ from kvmem.server.edge.handlers import register
 from kvmem.server.edge.wire import carries_prefix, refused_step, stats_response, step_batch, step_response
 from kvmem.server.edge.wire import geometry_to_proto as geometry_to_proto  # re-exported: the service's vocabulary
 from kvmem.server.edge.wire import handle_to_proto as handle_to_proto
-from kvmem.server.edge.wire import to_status as _to_status  # noqa: F401  # re-exported: tests/test_proto.py
 from kvmem.server.errors import KVMemError, Reason
 from kvmem.server.sessions import Sessions
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
