@@ -700,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     to_stdout = args.json == "-"
     say = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if to_stdout else print
 
-    # The process tuning `kvmem serve` applies at start (server/tuning.py), so the core
+    # The process tuning `kvmem serve` applies at start (server/process/tuning.py), so the core
     # is measured as the server runs it; it applies to the reference's process alike.
     heap_kept = keep_freed_memory()
     say(f"heap: glibc keeps freed memory as kvmem serve does: {heap_kept}")

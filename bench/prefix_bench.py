@@ -900,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
     def say(*a: Any) -> None:
         print(f"[{time.monotonic() - t_start:5.1f}s]", *a, file=sys.stderr, flush=True)
 
-    heap_kept = keep_freed_memory()  # as `kvmem serve` runs (server/tuning.py)
+    heap_kept = keep_freed_memory()  # as `kvmem serve` runs (server/process/tuning.py)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results: dict[str, Any] = {}
     try:
