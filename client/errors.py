@@ -118,6 +118,11 @@ _BY_REASON: dict[Reason, type[KVMemError]] = {
 
 # What gRPC's Python channels (sync and asyncio) say of a call the application cancelled.
 LOCAL_CANCELLATION = "Locally cancelled by application!"
+# What gRPC's asyncio client makes the status of a call whose operation it could not
+# start because the call had ended under it (a message written on a stream whose
+# connection just broke): INTERNAL with this text, in place of the status the
+# transport would have given (grpc/grpc#36066). It is no status of the server's.
+ASYNCIO_BROKEN_CALL = "Internal error from Core"
 
 
 def from_rpc_error(err: grpc.RpcError) -> KVMemError:
@@ -129,7 +134,12 @@ def from_rpc_error(err: grpc.RpcError) -> KVMemError:
     reason SHUTTING_DOWN: kvmem never cancels a call, but the server's gRPC does, to
     every call it has taken from the connection and not yet handed to the service when
     its shutdown starts (grpc/grpc#41785: such a call never ran, so it changed
-    nothing). A scheduler must be able to tell that from its own cancellation."""
+    nothing). A scheduler must be able to tell that from its own cancellation.
+
+    gRPC's asyncio client answers INTERNAL "Internal error from Core" for a call whose
+    write it could not start because the call had already ended under it (the
+    connection broke: grpc/grpc#36066); without a reason from the server, that is
+    :class:`Unavailable` too, the transport failure it stands for, not a server bug."""
     code, details = err.code(), err.details() or ""
     if code == grpc.StatusCode.CANCELLED and details != LOCAL_CANCELLATION:
         return server_cancelled(details)
@@ -137,6 +147,13 @@ def from_rpc_error(err: grpc.RpcError) -> KVMemError:
         status: status_pb2.Status | None = rpc_status.from_call(err)
     except (AttributeError, TypeError, ValueError, DecodeError):
         status = None  # malformed, or disagreeing with the call's code and message (a proxy's rewrite)
+    if code == grpc.StatusCode.INTERNAL and details == ASYNCIO_BROKEN_CALL and status is None:
+        return Unavailable(
+            grpc.StatusCode.UNAVAILABLE,
+            _UNSPECIFIED,
+            f"the call broke as a message was sent: the connection to the server failed (gRPC's asyncio "
+            f"client said INTERNAL: {details})",
+        )
     return _domain_error(code, details, status)
 
 
