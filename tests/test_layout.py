@@ -222,6 +222,21 @@ def test_the_readme_test_command_is_what_ci_runs() -> None:
     assert commands[1] == ci, f"README: {commands[1]}\n.ci/run: {ci}"
 
 
+def test_the_readme_is_a_users_page_and_its_links_resolve() -> None:
+    """At most 200 lines (the rest is in docs/); every relative link of the README and
+    the docs names a file of the repository (no reference points outside it)."""
+    import re
+
+    readme = ROOT / "README.md"
+    assert len(readme.read_text(encoding="utf-8").splitlines()) <= 200
+    broken = []
+    for page in [readme, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
 def test_no_hand_written_module_over_450_lines() -> None:
     long = []
     for path in _hand_written():
