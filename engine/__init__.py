@@ -4,7 +4,11 @@
 * :mod:`.scheduler` -- the continuous-batching loop: admission with a prefix match,
   chunked prefill, decode, speculative drafts, preemption, release into the cache;
 * :mod:`.model` -- the model seam: what the loop calls for each iteration's forward pass
-  (today :class:`~.model.SyntheticModel`, which writes the pattern K/V);
+  (:class:`~.model.SyntheticModel`, which writes the pattern K/V, or a transformers
+  model, :mod:`.hf_model`, whose attention reads and writes kvmem's pages,
+  :mod:`.attention`);
+* :mod:`.generate` -- :class:`~.generate.Engine`, a transformers model completing
+  prompts on a kvmem server (its own continuous-batching loop; the ``model`` extra);
 * :mod:`.backend` -- the allocator seam: the Step the loop plans and the answer it reads
   (kvmem's client, the drop-in, or the reference allocator);
 * :mod:`.kv_check` -- the pattern K/V and the check that reads it back;

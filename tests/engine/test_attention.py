@@ -1,7 +1,7 @@
 """kvmem's attention hook and the transformers model behind the engine's seam
 (:mod:`kvmem.engine.attention`, :mod:`kvmem.engine.hf_model`), proven exact on a tiny
-random-initialised Llama (2 layers, hidden 64, 4 query heads, 2 KV heads of 16, vocab
-128, fp32, seeded).
+random-initialised Llama (``tiny_llama.py``: 2 layers, hidden 64, 4 query heads, 2 KV
+heads of 16, vocab 128, fp32, seeded).
 
 The reference is the same weights with transformers' own attention ("sdpa") and cache:
 ``generate(do_sample=False)`` for the greedy tokens, its ``output_logits`` (or a full
@@ -30,7 +30,8 @@ import transformers
 from conftest import LineProcess, ServerProcess, short_tmpdir, start_server
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama import HEAD_DIM, KV_HEADS, LAYERS, SERVE_FLAGS, VOCAB, tiny_config, tiny_llama
+from transformers import LlamaForCausalLM
 
 from kvmem.client import KVMemClient
 from kvmem.engine.attention import ATTENTION, PagedBatch
@@ -46,24 +47,13 @@ from kvmem.engine.hf_model import (
 from kvmem.engine.model import BatchBuilder
 from kvmem.v1 import kvmem_pb2
 
-LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 128
 NEW_TOKENS = 6
 TOLERANCE = 1e-4
-SERVE_FLAGS = f"--format mha --layers {LAYERS} --kv-heads {KV_HEADS} --head-dim {HEAD_DIM} --dtype float32"
-
-
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(
-        num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=KV_HEADS, vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.1,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, dtype="float32",
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def reference() -> LlamaForCausalLM:
-    torch.manual_seed(1234)
-    return LlamaForCausalLM(tiny_config()).eval()
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module")
