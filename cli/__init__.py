@@ -9,6 +9,7 @@ serve      :mod:`kvmem.server.process.command`   the sidecar
 health     :mod:`kvmem.client.command`           a probe (Docker HEALTHCHECK)
 stats      :mod:`kvmem.client.command`           pool and per-session usage
 simulate   :mod:`kvmem.engine.command`           schedulers against a server
+generate   :mod:`kvmem.engine.generate_command`  a real model on kvmem
 =========  ====================================  =================================
 
 The option machinery the subcommands share (``KVMEM_*`` variables, one-line errors) is
@@ -35,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": (
         "kvmem.engine.command",
         "run scheduler workers against a server and show what kvmem does (a live view, a report)",
+    ),
+    "generate": (
+        "kvmem.engine.generate_command",
+        "generate text with a real model on kvmem from several engine processes, checked against transformers",
     ),
 }
 

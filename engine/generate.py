@@ -297,8 +297,8 @@ class _Loop:
         self.waiting.extendleft(reversed(self.requeue))
         self.leaving, self.requeue = [], []
         cache = []
-        for r in self.running:  # newly full pages of prompts: into the cache now
-            if r.computed < r.prompt_len and r.computed // self.ps > r.cached_pages:
+        for r in self.running:  # newly full pages of prompts (the whole prompt once prefilled): into the cache now
+            if r.computed <= r.prompt_len and r.computed // self.ps > r.cached_pages:
                 cache.append((r.slot, r.tokens[: r.computed]))
                 r.cached_pages = r.computed // self.ps
         items = self._allocs()  # (request, need)

@@ -100,7 +100,13 @@ def test_the_dispatcher_routes_each_command_to_its_application() -> None:
     from kvmem.cli import COMMANDS
 
     owners = {name: module.split(".")[1] for name, (module, _) in COMMANDS.items()}
-    assert owners == {"serve": "server", "health": "client", "stats": "client", "simulate": "engine"}
+    assert owners == {
+        "serve": "server",
+        "health": "client",
+        "stats": "client",
+        "simulate": "engine",
+        "generate": "engine",
+    }
 
 
 # A fresh interpreter in which the named packages cannot be imported at all (a meta path

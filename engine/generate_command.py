@@ -1,0 +1,391 @@
+"""``kvmem generate``: a real model generating on kvmem, several engine processes on one
+pool. Its options and help, and the run: the parent finds (or starts) the server, checks
+its geometry against the model's, starts the workers (:mod:`.generate_worker`), shows a
+live line per worker, prints the completions and a summary, and checks each greedy
+completion against the model's own ``generate()``. Importing this module loads no torch
+or transformers (``kvmem generate --help``); the run imports them."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import queue
+import secrets
+import sys
+import tempfile
+import time
+from typing import IO, Any
+
+DESCRIPTION = """\
+Generate text with a real model on kvmem: N engine worker processes (transformers models
+whose attention reads and writes kvmem's pages) share one server's pool and its prefix
+cache, each completing its share of the prompts with continuous batching.
+
+When no server answers at --socket (or --tcp), generate starts one sized for the model
+(its geometry, --dtype float32, pages for the prompts), says so, and stops it at the end.
+A running server of another geometry is refused with the `kvmem serve` flags the model
+needs (--print-serve-flags prints them).
+
+Every greedy completion is then checked against the same model's own
+generate(do_sample=False) (transformers' attention and cache): a mismatch exits 1, naming
+the prompt and the first differing token.
+"""
+
+EPILOG = """\
+prompts file (--prompts FILE.jsonl), one JSON object a line:
+  {"prompt": "text"}   {"messages": [{"role": "user", "content": "..."}]}   {"token_ids": [1, 2, 3]}
+
+exit status: 0 when every completion matched; 1 on a mismatch or a worker error; 2 on bad
+options, a missing model or an unusable server.
+
+examples:
+  kvmem generate                               # the bundled SmolLM2-135M-Instruct, 2 workers
+  kvmem generate --print-serve-flags           # the kvmem serve flags of its pool
+  kvmem generate --model ./my-llama --workers 4 --prompts chats.jsonl --json
+"""
+
+PAGE_SIZE = 16
+
+
+class UsageError(Exception):
+    """A missing model, a bad prompts file or an unusable server: one line, exit 2."""
+
+
+def add_parser(sub: Any, name: str = "generate") -> None:
+    """Register ``generate`` on the ``kvmem`` command's subparsers."""
+    from kvmem.cli.options import DEFAULT_SOCKET, address, integer, option, positive_float
+
+    p = sub.add_parser(
+        name,
+        help="generate text with a real model on kvmem from several engine processes, checked against transformers",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="a transformers model directory or a .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--workers", metavar="N", type=integer(1), default=2, help="engine processes (default: 2)")
+    p.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        default=None,
+        help="one prompt a line (see below; default: 8 short chat prompts with 2 shared system prompts)",
+    )
+    p.add_argument(
+        "--max-new-tokens", metavar="N", type=integer(1), default=32, help="tokens per completion (default: 32)"
+    )
+    p.add_argument(
+        "--token-budget",
+        metavar="TOKENS",
+        type=integer(1),
+        default=128,
+        help="tokens a worker computes per forward pass: decodes first, then prefill chunks and admissions; "
+        "requests admitted later match the pages earlier ones cached (default: 128)",
+    )
+    p.add_argument(
+        "--max-running",
+        metavar="N",
+        type=integer(1),
+        default=64,
+        help="requests a worker runs at once; the others wait, and match what the finished ones cached (default: 64)",
+    )
+    p.add_argument("--no-check", action="store_true", help="skip the check against the model's own generate()")
+    p.add_argument(
+        "--print-serve-flags", action="store_true", help="print the kvmem serve flags this model needs, and exit"
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (the rest goes to stderr)")
+    p.add_argument(
+        "--interval",
+        metavar="SECONDS",
+        type=positive_float,
+        default=1.0,
+        help="seconds between live lines (default: 1)",
+    )
+    p.add_argument("--corrupt-one-token", action="store_true", help=argparse.SUPPRESS)  # test hook: must fail
+    server = p.add_argument_group("the server")
+    option(server, "--socket", DEFAULT_SOCKET, "unix socket of the server")
+    option(server, "--tcp", None, "HOST:PORT of the server instead of the socket", address)
+    option(server, "--auth-token", None, "bearer token for TCP")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvmem generate`` with the parsed options."""
+    from .generate_worker import PromptError
+    from .server_process import UsageError as ServerUsage
+
+    try:
+        return _generate(args)
+    except (UsageError, ServerUsage, PromptError) as err:
+        print(f"kvmem generate: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvmem generate: interrupted", file=sys.stderr)
+        return 130
+
+
+def _config(model: str | None) -> Any:
+    from .generate_worker import model_config
+
+    if model is not None and not os.path.exists(model):
+        raise UsageError(f"--model {model}: no such file or directory")
+    try:
+        return model_config(model)
+    except (ImportError, OSError, ValueError, RuntimeError) as err:
+        raise UsageError(str(err).strip().splitlines()[0]) from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .generate_worker import builtin_prompts, read_prompts
+
+    info: IO[str] = sys.stderr if args.json else sys.stdout
+    prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()  # before torch loads
+    from .hf_model import GeometryMismatch, check_geometry, serve_flags
+    from .server_process import OwnServer, probe
+
+    config = _config(args.model)
+    flags = serve_flags(config, "float32")
+    if args.print_serve_flags:
+        print(flags)
+        return 0
+    target = args.tcp or f"unix:{args.socket}"
+    own = None
+    state = probe(target)
+    if state == "not-ready":
+        raise UsageError(f"the server at {target} answers but is not ready: see its log, or kvmem health")
+    if state == "none":
+        argv = ["serve", "--device", "cpu", *flags.split(), *_sizes(prompts, args), "--log-level", "warning"]
+        print(
+            f"no kvmem server answers at {target}: starting one for this run ({' '.join(['kvmem', *argv])}); "
+            "it stops at the end",
+            file=info,
+            flush=True,
+        )
+        own = OwnServer(argv, tempfile.mkdtemp(prefix="kvmem-generate-", dir="/tmp"))
+        target = own.target
+    try:
+        if own is not None:
+            own.wait_ready()
+        from kvmem.client.admin import stats
+
+        try:
+            check_geometry(config, stats(target, auth_token=args.auth_token, timeout=5).geometry, "float32")
+        except GeometryMismatch as err:
+            raise UsageError(f"the server at {target}: {err}") from None
+        return _with_server(args, target, prompts, info)
+    finally:
+        if own is not None:
+            print(f"stopped the server generate started (exit {own.stop()})", file=info)
+
+
+def _sizes(prompts: list[Any], args: argparse.Namespace) -> list[str]:
+    """Pool options for the prompts: the longest fits the context; every request fits at once."""
+    lens = [p.estimated_tokens() + args.max_new_tokens for p in prompts]
+    max_context = PAGE_SIZE * math.ceil(max(512, max(lens)) / PAGE_SIZE)
+    pages = sum(math.ceil(n / PAGE_SIZE) for n in lens) + 2 * args.workers
+    num_pages = max(pages, 2 * max_context // PAGE_SIZE) + 1
+    return [
+        "--page-size", str(PAGE_SIZE), "--num-pages", str(num_pages), "--max-requests",
+        str(len(prompts) + 16), "--max-context", str(max_context),
+    ]  # fmt: skip
+
+
+def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info: IO[str]) -> int:
+    from kvmem.client.admin import stats
+
+    from .generate_worker import GenerateConfig, worker_main
+
+    workers = min(args.workers, len(prompts))
+    if workers < args.workers:
+        print(f"{len(prompts)} prompts: {workers} workers", file=info)
+    run_id = secrets.token_hex(3)
+    # the prefix cache's namespace: requests share cached K/V only with the same model's
+    ident = f"{os.path.abspath(args.model)}:{os.stat(args.model).st_mtime_ns}" if args.model else "bundled-smollm2"
+    ident += ":float32"
+    namespace = "kvmem-generate:" + hashlib.sha256(ident.encode()).hexdigest()[:16]
+    configs = [
+        GenerateConfig(
+            worker=w, target=target, auth_token=args.auth_token, model=args.model, prompts=prompts[w::workers],
+            max_new_tokens=args.max_new_tokens, token_budget=args.token_budget, max_running=args.max_running,
+            check=not args.no_check, session=f"kvmem-generate-{run_id}-w{w}", namespace=namespace,
+            corrupt=args.corrupt_one_token and w == 0,
+        )
+        for w in range(workers)
+    ]  # fmt: skip
+    print(
+        f"kvmem generate: {len(prompts)} prompts on {workers} workers, {args.max_new_tokens} new tokens each, "
+        f"against {target}; loading {args.model or 'the bundled SmolLM2-135M-Instruct'}...",
+        file=info,
+        flush=True,
+    )
+    ctx = multiprocessing.get_context("spawn")
+    messages: Any = ctx.Queue()
+    go, stop = ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=worker_main, args=(c, messages, go, stop), daemon=True) for c in configs]
+    for proc in procs:
+        proc.start()
+    latest: dict[int, dict[str, Any]] = {}
+    final: dict[int, dict[str, Any]] = {}
+    ready: set[int] = set()
+    errors: list[str] = []
+    started = last_line = time.monotonic()
+    shown: dict[int, str] = {}  # the last line shown per worker: an unchanged one is not repeated
+    try:
+        while len(final) < workers:
+            try:
+                msg = messages.get(timeout=0.1)
+            except queue.Empty:
+                msg = {"kind": None}
+            kind, w = msg["kind"], msg.get("worker", -1)
+            if kind == "ready":
+                ready.add(w)
+                if len(ready) == workers:
+                    started = time.monotonic()
+                    go.set()
+            elif kind in ("progress", "checking"):
+                latest[w] = msg
+            elif kind in ("done", "error"):
+                final[w] = latest[w] = msg
+                if kind == "error":
+                    errors.append(f"worker {w}: {msg['message']}")
+                    go.set()
+            for i, proc in enumerate(procs):
+                if i not in final and not proc.is_alive() and proc.exitcode is not None:
+                    final[i] = {"kind": "error"}
+                    errors.append(f"worker {i}: exited ({proc.exitcode}) without a report")
+            now = time.monotonic()
+            if go.is_set() and now - last_line >= args.interval and len(final) < workers:
+                last_line = now
+                _live(info, stats, target, args.auth_token, configs, latest, shown)
+    finally:
+        go.set()
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+    pool = stats(target, auth_token=args.auth_token, timeout=5)
+    return _report(args, prompts, final, errors, pool, time.monotonic() - started, info)
+
+
+def _live(
+    info: IO[str],
+    stats: Any,
+    target: str,
+    token: str | None,
+    configs: list[Any],
+    latest: dict[int, Any],
+    shown: dict[int, str],
+) -> None:
+    """A line per worker whose figures changed: tokens/s, requests running, its prefix
+    hit rate (the server's count for its session), and the pool."""
+    try:
+        s = stats(target, auth_token=token, timeout=2)
+    except Exception:  # a sample is only a sample: the workers say what went wrong
+        return
+    sessions = {u.name: u for u in s.sessions}
+    for c in configs:
+        m = latest.get(c.worker, {})
+        u = sessions.get(c.session)
+        rate = m.get("generated", 0) / m["elapsed_s"] if m.get("elapsed_s") else 0.0
+        running = u.num_requests if u is not None else 0
+        hit = f"{u.prefix_hit_tokens / u.prefix_query_tokens:.0%}" if u is not None and u.prefix_query_tokens else "-"
+        state = {"done": "done", "error": "failed", "checking": "checking"}.get(m.get("kind", ""), "running")
+        line = f"  w{c.worker} {state:<8} {rate:7.1f} tokens/s  running {running:>3}  prefix hit {hit:>4}"
+        if shown.get(c.worker) == line:
+            continue
+        shown[c.worker] = line
+        pool = f"pool used {s.num_used_pages} cached {s.num_cached_pages} free {s.num_free_pages}"
+        print(f"{line}  | {pool}", file=info, flush=True)
+
+
+def _first_difference(got: list[int], want: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+
+
+def _report(
+    args: argparse.Namespace,
+    prompts: list[Any],
+    final: dict[int, dict[str, Any]],
+    errors: list[str],
+    pool: Any,
+    elapsed: float,
+    info: IO[str],
+) -> int:
+    done = [m for _, m in sorted(final.items()) if m.get("kind") == "done"]
+    completions = sorted((c for m in done for c in m["completions"]), key=lambda c: c["index"])
+    mismatches: list[str] = []
+    for m in done:
+        for c, want in zip(m["completions"], m["references"] or [], strict=True):
+            c["reference_token_ids"] = want
+            c["matches_generate"] = c["token_ids"] == want
+            if c["token_ids"] != want:
+                i = _first_difference(c["token_ids"], want)
+                got_t = c["token_ids"][i] if i < len(c["token_ids"]) else "(end)"
+                want_t = want[i] if i < len(want) else "(end)"
+                mismatches.append(
+                    f"prompt {c['index']} ({c['prompt']!r}): new token {i} is {got_t}, the model's generate() "
+                    f"gives {want_t}"
+                )
+    workers = [
+        {
+            "worker": w,
+            "generated_tokens": m.get("generated", 0),
+            "computed_tokens": m.get("computed", 0),
+            "seconds": round(m.get("elapsed_s", 0.0), 3),
+            "tokens_per_s": round(m["generated"] / m["elapsed_s"], 2) if m.get("elapsed_s") else 0.0,
+            "prompt_tokens": sum(c["prompt_tokens"] for c in m["completions"]),
+            "matched_tokens": sum(c["matched_tokens"] for c in m["completions"]),
+            "figures": m["figures"],
+        }
+        for w, m in sorted(final.items())
+        if m.get("kind") == "done"
+    ]
+    prompt_tokens = sum(w["prompt_tokens"] for w in workers)
+    matched = sum(w["matched_tokens"] for w in workers)
+    checked = not args.no_check and not errors
+    result: dict[str, Any] = {
+        "ok": not errors and not mismatches,
+        "checked": checked,
+        "completions": completions,
+        "workers": workers,
+        "prefix_hit_rate": round(matched / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "seconds": round(elapsed, 3),
+        "pool": {
+            "used": int(pool.num_used_pages), "cached": int(pool.num_cached_pages), "free": int(pool.num_free_pages),
+            "total": int(pool.num_pages_total),
+        },
+        "mismatches": mismatches,
+        "errors": errors,
+    }  # fmt: skip
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for c in completions:
+            shown = repr(c["text"]) if c["text"] is not None else f"token ids {c['token_ids']}"
+            print(f"[{c['index']}] {c['prompt']}\n    -> {shown}")
+        for w in workers:
+            print(
+                f"w{w['worker']}: {w['generated_tokens']} tokens in {w['seconds']:.1f} s, {w['tokens_per_s']:.1f} "
+                f"tokens/s; prefix hit {w['matched_tokens']}/{w['prompt_tokens']} prompt tokens"
+            )
+        p = result["pool"]
+        print(
+            f"prefix hit rate {result['prefix_hit_rate']:.0%}; pool {p['used']} used, {p['cached']} cached, "
+            f"{p['free']} free of {p['total']} pages"
+        )
+        if checked and not mismatches:
+            print(f"check: all {len(completions)} greedy completions equal the model's own generate()")
+    for line in mismatches:
+        print(f"MISMATCH: {line}", file=sys.stderr)
+    for line in errors:
+        print(f"ERROR: {line}", file=sys.stderr)
+    return 0 if result["ok"] else 1

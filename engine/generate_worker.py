@@ -1,0 +1,329 @@
+"""A ``kvmem generate`` worker process, and what it shares with the command: the
+prompts (``--prompts FILE.jsonl`` or the built-in chat set), the model's loading and its
+config.
+
+A worker (:func:`worker_main`, started with multiprocessing's spawn by
+:mod:`kvmem.engine.generate_command`) loads the model, attaches an
+:class:`~kvmem.engine.generate.Engine` to the server (its geometry checked), waits for the
+``go`` event, completes its share of the prompts greedily and, unless told not to,
+computes each one's reference with the same model's own ``generate(do_sample=False)``
+(transformers' attention and cache). Its messages, dicts with a ``kind``:
+
+* ``ready``: loaded and attached; ``progress``: tokens sampled and computed so far and
+  the seconds since ``go`` (from a forward hook, at most every ``REPORT_S``);
+  ``checking``: the last figures, the references being computed;
+* ``done``: the completions, the run's figures, the seconds, the references (or None);
+* ``error``: one line (a missing model, a refused geometry, a failure and its traceback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+REPORT_S = 0.25
+SYSTEM_PROMPTS = (
+    "You are a concise, friendly assistant. Answer the question in one or two short sentences, plainly and "
+    "accurately, without lists or headings. If you are not sure, say so briefly.",
+    "You are a patient teacher who explains things simply to a curious twelve-year-old. Give the key idea "
+    "first, then one everyday example, in a few short sentences.",
+)
+QUESTIONS = (
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Name three primary colors.",
+    "What does a compiler do?",
+    "How many legs does a spider have?",
+    "What is photosynthesis?",
+    "Why do we have seasons?",
+    "What is a prime number?",
+)
+
+
+class PromptError(ValueError):
+    """A prompts file that cannot be read; the message names the file and line."""
+
+
+class LoadError(RuntimeError):
+    """The model could not be loaded: one line."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt: exactly one of ``text``, ``messages`` (a chat) or ``token_ids``."""
+
+    index: int
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    token_ids: list[int] | None = None
+
+    def describe(self, width: int = 48) -> str:
+        """A short, one-line view of the prompt."""
+        if self.token_ids is not None:
+            shown = f"token ids {self.token_ids[:8]}{'...' if len(self.token_ids) > 8 else ''}"
+        elif self.messages is not None:
+            shown = str(self.messages[-1].get("content", ""))
+        else:
+            shown = str(self.text)
+        shown = " ".join(shown.split())
+        return shown if len(shown) <= width else shown[: width - 3] + "..."
+
+    def estimated_tokens(self) -> int:
+        """An upper estimate of its tokens, before a tokenizer (for sizing a pool)."""
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        chars = sum(len(m.get("content", "")) for m in self.messages or ()) + len(self.text or "")
+        return chars // 2 + 32 * (len(self.messages or ()) + 1)
+
+
+def builtin_prompts() -> list[Prompt]:
+    """Eight short chat prompts, each after one of two system prompts (A A B B A A B B:
+    dealt round-robin, every worker gets both, so requests match each other's cached
+    pages across workers)."""
+    return [
+        Prompt(i, messages=[{"role": "system", "content": SYSTEM_PROMPTS[i // 2 % 2]}, {"role": "user", "content": q}])
+        for i, q in enumerate(QUESTIONS)
+    ]
+
+
+def read_prompts(path: str) -> list[Prompt]:
+    """One JSON object a line: ``{"prompt": TEXT}``, ``{"messages": [{"role": ..., "content":
+    ...}, ...]}`` or ``{"token_ids": [...]}``; blank lines are skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as err:
+        raise PromptError(f"cannot read --prompts {path}: {err.strerror}") from None
+    prompts: list[Prompt] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PromptError(f"{where}: not JSON ({err.msg})") from None
+        keys = sorted(set(item) & {"prompt", "messages", "token_ids"}) if isinstance(item, dict) else []
+        if len(keys) != 1:
+            raise PromptError(f'{where}: needs exactly one of "prompt", "messages" or "token_ids", got {line[:80]}')
+        value = item[keys[0]]
+        index = len(prompts)
+        if keys[0] == "prompt" and isinstance(value, str) and value:
+            prompts.append(Prompt(index, text=value))
+        elif keys[0] == "messages" and _is_chat(value):
+            prompts.append(Prompt(index, messages=value))
+        elif keys[0] == "token_ids" and isinstance(value, list) and value and all(_is_id(t) for t in value):
+            prompts.append(Prompt(index, token_ids=value))
+        else:
+            raise PromptError(
+                f'{where}: "{keys[0]}" must be a non-empty '
+                + {"prompt": "string", "messages": "list of {role, content}", "token_ids": "list of ints >= 0"}[keys[0]]
+                + f", got {json.dumps(value)[:80]}"
+            )
+    if not prompts:
+        raise PromptError(f"--prompts {path} holds no prompt")
+    return prompts
+
+
+def _is_chat(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+    )
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _load_directory(model: str | None, *, dtype: Any = None) -> tuple[Any, Any]:
+    """Until :mod:`kvmem.engine.models` exists: a transformers model directory, fp32,
+    and its tokenizer when it has one."""
+    if model is None or not os.path.isdir(model):
+        raise RuntimeError(
+            f"cannot load {model or 'the bundled SmolLM2'}: this install has no kvmem.engine.models; "
+            "give --model a transformers model directory"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or torch.float32).eval()
+    has_tokenizer = any(
+        os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+    return loaded, AutoTokenizer.from_pretrained(model) if has_tokenizer else None
+
+
+def load_model(model: str | None) -> tuple[Any, Any]:
+    """The model (fp32, eval) and its tokenizer (or None) for ``--model``."""
+    import torch
+
+    try:
+        from kvmem.engine.models import load  # type: ignore[import-not-found,unused-ignore]
+    except ModuleNotFoundError as err:
+        if err.name != "kvmem.engine.models":
+            raise
+        return _load_directory(model, dtype=torch.float32)
+    loaded, tokenizer = load(model, dtype=torch.float32)
+    return loaded.eval(), tokenizer
+
+
+def model_config(model: str | None) -> Any:
+    """The model's transformers config: read from a directory's config.json, else loaded."""
+    if model is not None and os.path.isfile(os.path.join(model, "config.json")):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model)
+    return load_model(model)[0].config
+
+
+def stop_tokens(model: Any, tokenizer: Any) -> list[int]:
+    """What ends a completion: the generation config's EOS, else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+
+
+def encode(prompt: Prompt, tokenizer: Any, model: str | None) -> list[int]:
+    """The prompt's token ids (a chat through the tokenizer's chat template)."""
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    if tokenizer is None:
+        raise PromptError(
+            f"prompt {prompt.index} is text but the model at {model} has no tokenizer: give --prompts FILE.jsonl "
+            'with {"token_ids": [...]} lines'
+        )
+    if prompt.messages is not None:
+        text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt.text)["input_ids"])
+
+
+class Messages(Protocol):
+    def put(self, item: dict[str, Any]) -> None: ...
+
+
+class Flag(Protocol):
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerateConfig:
+    """One worker's run: its ``prompts`` (with their indices), the server, the model."""
+
+    worker: int
+    target: str
+    auth_token: str | None
+    model: str | None
+    prompts: Sequence[Prompt]
+    max_new_tokens: int
+    token_budget: int
+    max_running: int
+    check: bool
+    session: str
+    namespace: str
+    corrupt: bool = False  # test hook: the first completion's last token is reported off by one
+
+
+def worker_main(config: GenerateConfig, messages: Messages, go: Flag, stop: Flag) -> None:
+    """A worker process's entry (see the module's docstring)."""
+    w = config.worker
+    try:
+        _work(config, messages, go)
+    except Exception as err:
+        from kvmem.client.errors import KVMemError
+
+        from .hf_model import GeometryMismatch
+
+        if isinstance(err, GeometryMismatch | PromptError | LoadError | KVMemError):
+            message = str(err)
+        else:
+            message = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        messages.put({"kind": "error", "worker": w, "message": message})
+
+
+def _work(config: GenerateConfig, messages: Messages, go: Flag) -> None:
+    import torch
+
+    from .attention import ATTENTION
+    from .generate import Engine
+
+    w = config.worker
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    try:
+        model, tokenizer = load_model(config.model)
+    except (ImportError, OSError, RuntimeError, ValueError) as err:
+        what = config.model or "(the bundled SmolLM2)"
+        raise LoadError(f"cannot load --model {what}: {' '.join(str(err).split())}") from None
+    attention = model.config._attn_implementation
+    ids = [encode(p, tokenizer, config.model) for p in config.prompts]
+    stops = stop_tokens(model, tokenizer)
+    counts = {"generated": 0, "computed": 0, "forwards": 0}
+    started = last = 0.0
+
+    def on_forward(_module: Any, _args: Any, kwargs: dict[str, Any], _out: Any) -> None:
+        nonlocal last
+        counts["computed"] += int(kwargs["input_ids"].shape[1])
+        counts["generated"] += int(kwargs["logits_to_keep"].numel())
+        counts["forwards"] += 1
+        now = time.monotonic()
+        if now - last >= REPORT_S:
+            last = now
+            messages.put({"kind": "progress", "worker": w, **counts, "elapsed_s": now - started})
+
+    with Engine(
+        model, config.target, tokenizer=tokenizer, name=config.session, cache_namespace=config.namespace,
+        auth_token=config.auth_token, max_running=config.max_running,
+    ) as engine:  # fmt: skip
+        messages.put({"kind": "ready", "worker": w})
+        go.wait()
+        hook = model.register_forward_hook(on_forward, with_kwargs=True)
+        started = time.monotonic()
+        try:
+            out = engine.generate(
+                ids, max_new_tokens=config.max_new_tokens, stop_token_ids=stops, token_budget=config.token_budget
+            )
+        finally:
+            hook.remove()
+        elapsed = time.monotonic() - started
+        figures = dataclasses.asdict(engine.figures)
+    references = None
+    if config.check:
+        messages.put({"kind": "checking", "worker": w, **counts, "elapsed_s": elapsed})
+        model.set_attn_implementation(attention if attention != ATTENTION else "sdpa")
+        references = [_reference(model, p, config.max_new_tokens, stops) for p in ids]
+    completions = [
+        {**dataclasses.asdict(c), "index": p.index, "prompt": p.describe()}
+        for c, p in zip(out, config.prompts, strict=True)
+    ]
+    if config.corrupt:
+        ids_out = completions[0]["token_ids"]
+        ids_out[-1] = (ids_out[-1] + 1) % int(model.config.vocab_size)
+    messages.put(
+        {"kind": "done", "worker": w, **counts, "elapsed_s": elapsed, "figures": figures,
+         "completions": completions, "references": references},
+    )  # fmt: skip
+
+
+def _reference(model: Any, prompt: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:
+    """The model's own greedy ``generate()`` after ``prompt``, with the same stop tokens."""
+    import torch
+
+    ids = torch.tensor(prompt, dtype=torch.int64)[None]
+    extra: dict[str, Any] = {"eos_token_id": stops, "pad_token_id": stops[0]} if stops else {}
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **extra
+        )
+    return list(out[0, ids.shape[1] :].tolist())
