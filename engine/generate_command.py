@@ -16,7 +16,6 @@ import os
 import queue
 import secrets
 import sys
-import tempfile
 import time
 from typing import IO, Any
 
@@ -148,31 +147,18 @@ def _generate(args: argparse.Namespace) -> int:
     info: IO[str] = sys.stderr if args.json else sys.stdout
     prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()  # before torch loads
     from .hf_model import GeometryMismatch, check_geometry, serve_flags
-    from .server_process import OwnServer, probe
+    from .server_process import server_for
 
     config = _config(args.model)
     flags = serve_flags(config, "float32")
     if args.print_serve_flags:
         print(flags)
         return 0
-    target = args.tcp or f"unix:{args.socket}"
-    own = None
-    state = probe(target)
-    if state == "not-ready":
-        raise UsageError(f"the server at {target} answers but is not ready: see its log, or kvmem health")
-    if state == "none":
-        argv = ["serve", "--device", "cpu", *flags.split(), *_sizes(prompts, args), "--log-level", "warning"]
-        print(
-            f"no kvmem server answers at {target}: starting one for this run ({' '.join(['kvmem', *argv])}); "
-            "it stops at the end",
-            file=info,
-            flush=True,
-        )
-        own = OwnServer(argv, tempfile.mkdtemp(prefix="kvmem-generate-", dir="/tmp"))
-        target = own.target
-    try:
-        if own is not None:
-            own.wait_ready()
+
+    def own_argv() -> list[str]:
+        return ["serve", "--device", "cpu", *flags.split(), *_sizes(prompts, args), "--log-level", "warning"]
+
+    with server_for(args.tcp or f"unix:{args.socket}", "generate", own_argv, info) as (target, _):
         from kvmem.client.admin import stats
 
         try:
@@ -180,9 +166,6 @@ def _generate(args: argparse.Namespace) -> int:
         except GeometryMismatch as err:
             raise UsageError(f"the server at {target}: {err}") from None
         return _with_server(args, target, prompts, info)
-    finally:
-        if own is not None:
-            print(f"stopped the server generate started (exit {own.stop()})", file=info)
 
 
 def _sizes(prompts: list[Any], args: argparse.Namespace) -> list[str]:

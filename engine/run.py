@@ -19,7 +19,6 @@ import os
 import queue
 import secrets
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -41,7 +40,7 @@ from .report import (
     worker_rows,
     worker_table,
 )
-from .server_process import OwnServer, UsageError, own_server_argv, probe
+from .server_process import OwnServer, UsageError, own_server_argv, server_for
 
 SAMPLE_S = 0.1  # how often the pool is sampled from Stats
 APIS = {  # --api: what the workers drive kvmem through
@@ -174,34 +173,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
         reference = os.path.abspath(args.reference or default_reference_path())
         load_reference(reference)  # ReferenceMissing: said now, before the run
-    target = args.tcp or f"unix:{args.socket}"
-    own = None
-    state = probe(target)
-    if state == "not-ready":  # starting, or waiting for its memory: give it a while
-        print(f"the server at {target} is not ready yet: waiting up to 30 s", file=info, flush=True)
-        deadline = time.monotonic() + 30
-        while state == "not-ready" and time.monotonic() < deadline:
-            time.sleep(0.2)
-            state = probe(target)
-        if state != "serving":
-            raise UsageError(f"the server at {target} did not become ready: see its log, or kvmem health")
-    if state == "none":
-        argv, shown = own_server_argv(args)
-        print(
-            f"no kvmem server answers at {target}: starting one for this run ({shown}); it stops at the end",
-            file=info,
-            flush=True,
-        )
-        own = OwnServer(argv, tempfile.mkdtemp(prefix="kvmem-simulate-", dir="/tmp"))
-        target = own.target
-    try:
-        if own is not None:
-            own.wait_ready()
+    with server_for(args.tcp or f"unix:{args.socket}", "simulate", lambda: own_server_argv(args), info) as (
+        target,
+        own,
+    ):
         return _with_server(args, target, own, reference, info)
-    finally:
-        if own is not None:
-            code = own.stop()
-            print(f"stopped the server simulate started (exit {code})", file=info)
 
 
 def _with_server(

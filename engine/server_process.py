@@ -1,17 +1,22 @@
-"""Finding the server ``kvmem simulate`` runs against, or starting one for the run: a
-``kvmem serve`` child in a session of its own (a Ctrl-C of the run does not reach it),
-on a private socket, with a pool sized for the workload; stopped when the run ends."""
+"""Finding the server ``kvmem simulate`` and ``kvmem generate`` run against, or starting
+one for the run (:func:`server_for`): a ``kvmem serve`` child in a session of its own (a
+Ctrl-C of the run does not reach it), on a private socket, with a pool sized for the
+workload; stopped when the run ends."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from typing import IO
 
 READINESS = "kvmem.v1.KVMemory"
 OWN_PAGE_SIZE = 16
@@ -34,6 +39,42 @@ def probe(target: str) -> str:
         except grpc.RpcError as err:
             return "none" if err.code() == grpc.StatusCode.UNAVAILABLE else "not-ready"
     return "serving" if resp.status == health_pb2.HealthCheckResponse.SERVING else "not-ready"
+
+
+@contextlib.contextmanager
+def server_for(
+    target: str, command: str, own_argv: Callable[[], list[str]], info: IO[str]
+) -> Iterator[tuple[str, OwnServer | None]]:
+    """The server a run of ``kvmem COMMAND`` uses, as ``(target, own)``: the one serving at
+    ``target`` (one that answers but is not ready yet is given 30 s), or, when none
+    answers, a ``kvmem serve`` started for the run with ``own_argv()`` (said on
+    ``info``), ready before the run and stopped after it (``own`` is that server, else
+    None). :class:`UsageError` when the server at ``target`` never becomes ready."""
+    state = probe(target)
+    if state == "not-ready":  # starting, or waiting for its memory: give it a while
+        print(f"the server at {target} is not ready yet: waiting up to 30 s", file=info, flush=True)
+        deadline = time.monotonic() + 30
+        while state == "not-ready" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            state = probe(target)
+        if state != "serving":
+            raise UsageError(f"the server at {target} did not become ready: see its log, or kvmem health")
+    if state != "none":
+        yield target, None
+        return
+    argv = own_argv()
+    print(
+        f"no kvmem server answers at {target}: starting one for this run ({' '.join(['kvmem', *argv])}); "
+        "it stops at the end",
+        file=info,
+        flush=True,
+    )
+    own = OwnServer(argv, tempfile.mkdtemp(prefix=f"kvmem-{command}-", dir="/tmp"))
+    try:
+        own.wait_ready()
+        yield own.target, own
+    finally:
+        print(f"stopped the server {command} started (exit {own.stop()})", file=info)
 
 
 class OwnServer:
@@ -83,11 +124,11 @@ class OwnServer:
         return code
 
 
-def own_server_argv(args: argparse.Namespace) -> tuple[list[str], str]:
+def own_server_argv(args: argparse.Namespace) -> list[str]:
     """``kvmem serve`` options for a pool sized for the workload: its longest request fits
     the context, and the pool holds about half of what all workers' running requests
     would hold without sharing (the system prompts are shared: it fits; without, it
-    would not). Returns the options and a description."""
+    would not)."""
     ps = OWN_PAGE_SIZE
     mean = args.shared * args.system_prompt_len + args.prompt_len + args.output_len
     longest = 1.5 * args.system_prompt_len + 4 * (args.prompt_len + args.output_len)
@@ -96,5 +137,4 @@ def own_server_argv(args: argparse.Namespace) -> tuple[list[str], str]:
     num_pages = args.num_pages or max(4 * max_context // ps, math.ceil(0.5 * demand)) + 1
     max_requests = args.workers * args.max_running + 16
     sizes = f"--page-size {ps} --num-pages {num_pages} --max-requests {max_requests} --max-context {max_context}"
-    argv = ["serve", "--device", args.device, *sizes.split(), "--log-level", "warning"]
-    return argv, " ".join(["kvmem", *argv])
+    return ["serve", "--device", args.device, *sizes.split(), "--log-level", "warning"]
