@@ -72,7 +72,7 @@ class PagedBatch:
     def build(
         cls,
         kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        block_table: torch.Tensor,
+        block_table: Any,
         page_size: int,
         rows: torch.Tensor,
         offsets: torch.Tensor,
@@ -84,7 +84,8 @@ class PagedBatch:
         ``offsets[i] : offsets[i + 1]`` at ``positions`` (its own, contiguous, ending at
         ``seq_lens[i] - 1``) and reads ``seq_lens[i]`` tokens through block-table row
         ``rows[i]``. Every tensor is int64 on the KV memory's device but
-        ``block_table`` (int32, any device). O(n * (Q + L)), vectorised."""
+        ``block_table`` (int32, any device; or the drop-in's ``req_to_page``, by request
+        index). O(n * (Q + L)), vectorised."""
         device = kv_cache[0][0].device
         rows, offsets, positions, kv_loc, seq_lens = (
             t.to(device=device, dtype=torch.int64) for t in (rows, offsets, positions, kv_loc, seq_lens)
@@ -108,7 +109,8 @@ class PagedBatch:
         q_index = torch.where(q_valid, offsets[:-1, None] + q_pos[None, :], 0)
         query_positions = torch.where(q_valid, positions[q_index], 0)  # a padding query sees position 0
         k_pos = torch.arange(l_max, device=device)
-        pages = block_table[rows.to(block_table.device), : -(-l_max // page_size)].to(device=device, dtype=torch.int64)
+        table_device = getattr(block_table, "device", rows.device)  # the drop-in's req_to_page moves rows itself
+        pages = block_table[rows.to(table_device), : -(-l_max // page_size)].to(device=device, dtype=torch.int64)
         kv_index = pages[:, k_pos // page_size] * page_size + k_pos % page_size
         kv_index = torch.where(k_pos[None, :] < seq_lens[:, None], kv_index, kv_index[:, :1])
         mask = (k_pos[None, None, :] <= query_positions[:, :, None]).unsqueeze(1)

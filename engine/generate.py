@@ -1,73 +1,46 @@
 """The engine: a transformers causal LM generating on kvmem's KV memory.
 
-:class:`Engine` attaches a :class:`kvmem.client.KVMemClient` to a kvmem server (its pool
-checked against the model's geometry, :func:`~.hf_model.check_geometry`) and
-:meth:`Engine.generate` completes prompts with continuous batching, one Step and one
-forward pass (:class:`~.hf_model.TransformersModel`) per iteration:
-
-1. requests that finished or were preempted last iteration are released with their
-   token ids (their full pages enter the shared prefix cache); running requests still in
-   their prompt cache their newly full pages (cache items), so other sessions can match
-   them at once;
-2. allocs within the token budget: every decode first (1 token), then the next prefill
-   chunk of each prefilling request, then new requests from the waiting queue (opened in
-   one Open), each matched against the prefix cache (``match=``, at most all but its last
-   token: one is always computed, for the logits) with its first chunk allocated in the
-   same Step (the need counts from 0: the server gives what the match did not cover);
-3. one forward pass over every token allocated, packed ragged (prefill chunks and
-   decodes mixed); each request whose computed tokens reached its known ones samples the
-   next token, and stops on a stop token or at ``max_new_tokens``;
-4. an alloc answered ``OUT_OF_PAGES`` preempts the youngest running request: released
-   with its computed tokens next iteration, requeued at the front; when readmitted it
-   matches what it had (mostly from the cache) and recomputes the rest. Admissions pause
-   for an iteration after an ``OUT_OF_PAGES``.
-
-A request's tokens are one array (its prompt, then what it sampled): ``computed`` of them
-have their K/V written, ``known`` are known; the request computes
-``tokens[computed:known]`` in chunks, and samples once the chunk reaches ``known`` (a
-decode is a chunk of one). A resumed request is no special case: it has more known
-tokens than its prompt.
-
-Why not :class:`~.scheduler.Scheduler`: its requests come from the synthetic workload
-with a fixed length each (they end when every token of it is computed, drafts drawn from
-the workload, K/V read back before release); a real model's requests end on a sampled
-stop token, and report per-request figures. The loop here is the same plan (decodes,
-chunks, admissions with a match, release into the cache, preemption of the youngest)
-without the workload, drafts and read-back.
+:class:`Engine` attaches to a kvmem server (its pool checked against the model's
+geometry, :func:`~.hf_model.check_geometry`) through kvmem's batched client or through
+the drop-in (:class:`kvmem.client.compat.KVAllocator`, driven as a reference scheduler
+drives it: :class:`~.compat_driver.CompatBackend`), and completes prompts with
+continuous batching, one Step and one forward pass per iteration (:mod:`.loop`).
+:meth:`Engine.stream` yields each request's new tokens (and text) as they come;
+:meth:`Engine.generate` returns the completions.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvmem.client import KVMemClient
-from kvmem.client.errors import NoFreeRequestSlot
 
-from .backend import OK, OUT_OF_PAGES
+from .backend import Backend
 from .hf_model import Sampling, TransformersModel, check_geometry
-from .model import Admission, BatchBuilder
+from .loop import Loop, Request, RunFigures
 
-__all__ = ["Completion", "Engine", "RunFigures"]
+__all__ = ["APIS", "Completion", "Delta", "Engine", "RunFigures"]
 
-MAX_PREEMPTIONS = 32
-"""A request preempted more often than this fails the run (the pool cannot hold it)."""
+APIS = ("client", "compat")
+"""How the engine drives kvmem: the batched client, or the drop-in."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Completion:
     """One prompt's completion: the sampled ``token_ids`` (the stop token included),
-    ``text`` (decoded when the engine has a tokenizer), why it ended (``"stop"``: a stop
-    token; ``"length"``: ``max_new_tokens``), and its figures: ``prompt_tokens``;
-    ``matched_tokens``, tokens attached from the prefix cache (over its admissions);
-    ``computed_tokens``, tokens whose K/V it computed (recomputation included);
-    ``iterations``, forward passes it took part in; ``preemptions``."""
+    ``text`` (decoded when the engine has a tokenizer; cut before a stop string), why it
+    ended (``"stop"``: a stop token or string; ``"length"``: ``max_new_tokens``), and its
+    figures: ``prompt_tokens``; ``matched_tokens``, tokens attached from the prefix cache
+    (over its admissions); ``computed_tokens``, tokens whose K/V it computed
+    (recomputation and rejected drafts included); ``iterations``, forward passes it took
+    part in; ``preemptions``. ``logits``: with ``keep_logits``, the logits each token
+    was sampled from, ``[len(token_ids), vocab]``."""
 
     index: int
     token_ids: list[int]
@@ -78,69 +51,34 @@ class Completion:
     computed_tokens: int
     iterations: int
     preemptions: int
+    logits: torch.Tensor | None = None
 
 
-@dataclasses.dataclass(slots=True)
-class RunFigures:
-    """One :meth:`Engine.generate` call: ``iterations`` (Steps), forwards of prefill and
-    decode tokens together (``mixed_forwards``), the most tokens in a forward,
-    preemptions and allocs answered ``OUT_OF_PAGES``, and seconds in Steps and forwards."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Delta:
+    """What one request took in one iteration (:meth:`Engine.stream`): its new
+    ``token_ids``, the ``text`` they add (with a tokenizer: held back while it may be
+    the start of a stop string or an unfinished character), and ``finish_reason`` on
+    its last delta (None before)."""
 
-    iterations: int = 0
-    mixed_forwards: int = 0
-    max_forward_tokens: int = 0
-    preemptions: int = 0
-    out_of_pages: int = 0
-    no_free_slot: int = 0
-    step_seconds: float = 0.0
-    forward_seconds: float = 0.0
-
-
-class _Request:
-    """A request in the loop (see the module's docstring for ``computed`` and ``known``)."""
-
-    __slots__ = (
-        "admitted",
-        "alloced",
-        "cached_pages",
-        "computed",
-        "computed_total",
-        "finish",
-        "index",
-        "iterations",
-        "known",
-        "matched_total",
-        "preemptions",
-        "prompt_len",
-        "slot",
-        "tokens",
-    )
-
-    def __init__(self, index: int, prompt: np.ndarray, max_new_tokens: int) -> None:
-        self.index = index
-        self.prompt_len = int(prompt.size)
-        self.tokens = np.zeros(prompt.size + max_new_tokens, dtype=np.int32)
-        self.tokens[: prompt.size] = prompt
-        self.known = self.prompt_len
-        self.slot = self.computed = self.alloced = self.cached_pages = 0
-        self.admitted = self.preemptions = self.matched_total = self.computed_total = self.iterations = 0
-        self.finish = ""
-
-    @property
-    def rid(self) -> str:
-        return f"{self.index}.{self.preemptions}"
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
 
 
 class Engine:
     """A transformers causal LM generating on the kvmem server at ``target``.
 
     ``model``: a transformers causal LM (switched to kvmem's attention); ``tokenizer``:
-    optional, to take prompts as text and decode completions; ``name`` and
-    ``cache_namespace``: the session's (requests share cached pages within a
-    namespace); ``max_running``: requests running at once. Attaching checks the pool's
-    geometry against the model's and refuses a mismatch in one line that gives the
-    ``kvmem serve`` flags (:class:`~.hf_model.GeometryMismatch`). Use as a context
-    manager, or :meth:`close`. :attr:`figures` holds the last :meth:`generate`'s.
+    optional, to take prompts as text, decode completions and stop on strings; ``name``
+    and ``cache_namespace``: the session's (requests share cached pages within a
+    namespace); ``max_running``: requests running at once; ``api``: ``"client"`` (the
+    batched client) or ``"compat"`` (the drop-in: request indices, one
+    ``allocator.iteration()`` block per iteration, K/V read through ``req_to_page``).
+    Attaching checks the pool's geometry against the model's and refuses a mismatch in
+    one line that gives the ``kvmem serve`` flags (:class:`~.hf_model.GeometryMismatch`).
+    Use as a context manager, or :meth:`close`. :attr:`figures` holds the last run's.
     """
 
     def __init__(
@@ -153,15 +91,20 @@ class Engine:
         cache_namespace: str = "",
         auth_token: str | None = None,
         max_running: int = 64,
+        api: str = "client",
     ) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
+        if api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_running = max_running
+        self.api = api
         self.kv = KVMemClient(target, name=name, auth_token=auth_token, cache_namespace=cache_namespace)
         try:
             check_geometry(model.config, self.kv.geometry, next(model.parameters()).dtype)
+            self.backend, self.block_table = self._backend(name)
         except BaseException:
             self.kv.close()
             raise
@@ -169,6 +112,19 @@ class Engine:
         self.page_size = int(geometry.page_size)
         self.max_context = int(geometry.max_context_len)
         self.figures = RunFigures()
+
+    def _backend(self, name: str) -> tuple[Backend, Any]:
+        from .worker import KVMemBackend
+
+        if self.api == "client":
+            return KVMemBackend(self.kv), self.kv.block_table
+        from kvmem.client.compat import KVAllocator
+
+        from .compat_driver import CompatBackend
+
+        # Indices held at once: the running requests, and those leaving whose release goes with the next block.
+        allocator = KVAllocator(self.kv, max_batch_size=2 * self.max_running, request_id_prefix=f"{name}-")
+        return CompatBackend(allocator), allocator.req_to_page
 
     def close(self) -> None:
         """Detach from the server (its open requests are released)."""
@@ -180,40 +136,66 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def generate(
+    def generate(self, prompts: Sequence[str | Sequence[int] | np.ndarray], **options: Any) -> list[Completion]:
+        """Complete ``prompts`` (text, with a tokenizer, or token ids), in their order;
+        the options are :meth:`stream`'s."""
+        run = self._run(prompts, **options)
+        run.texts = False  # no text deltas: the completions decode once
+        for _ in run:
+            pass
+        return run.completions()
+
+    def stream(self, prompts: Sequence[str | Sequence[int] | np.ndarray], **options: Any) -> Iterator[Delta]:
+        """Complete ``prompts`` as :meth:`generate` does, yielding each request's new
+        tokens as they are sampled (:class:`Delta`, in the order the iteration took
+        them). Options:
+
+        * ``max_new_tokens`` (required): the most tokens a completion takes;
+        * ``stop_token_ids``: end on any of them (None: the model's ``eos_token_id``);
+        * ``stop``: strings that end a completion (with a tokenizer), cut from its text;
+        * ``sampling``: :class:`~.hf_model.Sampling` (greedy by default);
+        * ``token_budget``: the most tokens computed per forward pass, prefill chunks,
+          decodes and drafts together (512; it also bounds the requests running);
+        * ``speculate``: drafts per decode by prompt lookup (0: none; see :mod:`.loop`);
+        * ``keep_logits``: keep each sampled token's logits (:attr:`Completion.logits`).
+        """
+        return iter(self._run(prompts, **options))
+
+    def _run(
         self,
         prompts: Sequence[str | Sequence[int] | np.ndarray],
         *,
         max_new_tokens: int,
         stop_token_ids: Sequence[int] | None = None,
+        stop: Sequence[str] = (),
         sampling: Sampling | None = None,
         token_budget: int = 512,
-    ) -> list[Completion]:
-        """Complete ``prompts`` (text, with a tokenizer, or token ids), in their order.
-        Each ends after ``max_new_tokens`` or on a token of ``stop_token_ids`` (None: the
-        model's ``eos_token_id``, if it has one). ``sampling``: greedy by default;
-        ``token_budget``: the most tokens computed per forward pass (prefill chunks and
-        decodes together; it also bounds the requests running at once)."""
-        if max_new_tokens < 1 or token_budget < 1:
-            raise ValueError(f"max_new_tokens and token_budget must be >= 1, got {max_new_tokens}, {token_budget}")
-        reqs = [_Request(i, self._encode(i, p), max_new_tokens) for i, p in enumerate(prompts)]
+        speculate: int = 0,
+        keep_logits: bool = False,
+    ) -> _Run:
+        if max_new_tokens < 1 or token_budget < 1 or speculate < 0:
+            raise ValueError(
+                f"max_new_tokens and token_budget must be >= 1 and speculate >= 0, got {max_new_tokens}, "
+                f"{token_budget}, {speculate}"
+            )
+        if stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {list(stop)} need a tokenizer (Engine(..., tokenizer=))")
+        if any(not s for s in stop):
+            raise ValueError(f"stop strings must not be empty, got {list(stop)}")
+        reqs = [Request(i, self._encode(i, p), max_new_tokens) for i, p in enumerate(prompts)]
         for r in reqs:
             if r.tokens.size > self.max_context:
                 raise ValueError(
                     f"prompt {r.index}: {r.prompt_len} tokens + max_new_tokens {max_new_tokens} exceed the server's "
                     f"max context of {self.max_context} tokens (kvmem serve --max-context)"
                 )
-        stops = frozenset(self._stop_tokens(stop_token_ids))
-        tm = TransformersModel(self.model, self.kv.kv_cache(), self.kv.block_table, self.page_size, sampling)
-        loop = _Loop(self, tm, reqs, max_new_tokens, stops, token_budget)
-        try:
-            loop.run()
-        except BaseException:
-            with contextlib.suppress(Exception):  # the session may be what failed
-                loop.abandon()
-            raise
-        self.figures = loop.figures
-        return [self._completion(r) for r in reqs]
+        tm = TransformersModel(self.model, self.kv.kv_cache(), self.block_table, self.page_size, sampling)
+        loop = Loop(
+            self.backend, tm, reqs, max_new_tokens=max_new_tokens, stops=frozenset(self._stop_tokens(stop_token_ids)),
+            budget=token_budget, max_running=self.max_running, speculate=speculate,
+            stop_check=self._stop_check(tuple(stop)), keep_logits=keep_logits,
+        )  # fmt: skip
+        return _Run(self, loop, reqs, tuple(stop))
 
     def _encode(self, index: int, prompt: str | Sequence[int] | np.ndarray) -> np.ndarray:
         if isinstance(prompt, str):
@@ -236,192 +218,72 @@ class Engine:
             return set()
         return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}
 
-    def _completion(self, r: _Request) -> Completion:
-        out = r.tokens[r.prompt_len : r.known].tolist()
-        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return Completion(
-            r.index, out, text, r.finish, r.prompt_len, r.matched_total, r.computed_total, r.iterations, r.preemptions
-        )
+    def _stop_check(self, stop: tuple[str, ...]) -> Callable[[Request], bool] | None:
+        """Whether a request's text now holds a stop string: its last tokens decoded
+        (as many as the longest stop string has characters: each token adds one)."""
+        if not stop:
+            return None
+        window = max(map(len, stop)) + 1
+
+        def check(r: Request) -> bool:
+            tail = self.tokenizer.decode(r.new_tokens()[-window:].tolist(), skip_special_tokens=True)
+            return any(s in tail for s in stop)
+
+        return check
+
+    def text(self, token_ids: Sequence[int], stop: tuple[str, ...] = ()) -> str | None:
+        """The text of a completion's tokens, cut before the first stop string in it."""
+        if self.tokenizer is None:
+            return None
+        text: str = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+        return text[:cut]
 
 
-class _Loop:
-    """One :meth:`Engine.generate` run: the iterations of the module's docstring."""
+class _Run:
+    """One :meth:`Engine.stream` run: iterating runs the loop and yields the deltas;
+    :meth:`completions` once it is done."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        model: TransformersModel,
-        reqs: list[_Request],
-        max_new_tokens: int,
-        stops: frozenset[int],
-        budget: int,
-    ) -> None:
-        self.kv = engine.kv
-        self.model = model
-        self.ps = engine.page_size
-        self.max_running = min(engine.max_running, budget)  # every running request's decode fits the budget
-        self.max_new = max_new_tokens
-        self.stops = stops
-        self.budget = budget
-        self.waiting: collections.deque[_Request] = collections.deque(reqs)
-        self.running: list[_Request] = []
-        self.leaving: list[_Request] = []  # finished or preempted: released in the next Step
-        self.requeue: list[_Request] = []  # the preempted among them
-        self.pressure = False
-        self.it = 0
-        self.figures = RunFigures()
+    def __init__(self, engine: Engine, loop: Loop, reqs: list[Request], stop: tuple[str, ...]) -> None:
+        self.engine, self.loop, self.reqs, self.stop = engine, loop, reqs, stop
+        self.emitted = [0] * len(reqs)  # characters of text streamed, per request
+        self.hold = max(map(len, stop), default=1) - 1  # a stop string's start is held back
+        self.texts = engine.tokenizer is not None
 
-    def run(self) -> None:
-        while self.waiting or self.running or self.leaving:
-            self.iteration()
-
-    def abandon(self) -> None:
-        """After a failure: release every request this run holds (no tokens cached)."""
-        slots = [r.slot for r in self.running + self.leaving]
-        if slots:
-            self.kv.step(release_slots=slots)
-
-    def iteration(self) -> None:
-        f = self.figures
-        release_slots = [r.slot for r in self.leaving]
-        release_tokens = [r.tokens[: r.computed] for r in self.leaving]
-        released = [r.rid for r in self.leaving]
-        for r in self.requeue:  # back at the front, in their order, to recompute
-            r.preemptions += 1
-            if r.preemptions > MAX_PREEMPTIONS:
-                raise RuntimeError(
-                    f"prompt {r.index} ({r.known} tokens) was preempted {r.preemptions} times: the pool's free pages "
-                    f"cannot hold it with the others running (kvmem serve --num-pages, or a smaller max_running)"
-                )
-            r.slot = r.computed = r.alloced = r.cached_pages = 0
-        self.waiting.extendleft(reversed(self.requeue))
-        self.leaving, self.requeue = [], []
-        cache = []
-        for r in self.running:  # newly full pages of prompts (the whole prompt once prefilled): into the cache now
-            if r.computed <= r.prompt_len and r.computed // self.ps > r.cached_pages:
-                cache.append((r.slot, r.tokens[: r.computed]))
-                r.cached_pages = r.computed // self.ps
-        items = self._allocs()  # (request, need)
-        expected = [r.alloced for r, _ in items]
-        admitting = self._admit(items)
-        expected += [-1] * len(admitting)  # the match decides where they start
-        if not (items or release_slots):
-            if self.waiting:  # every request slot is another session's: a moment
-                time.sleep(0.001)
-            self.pressure = False
-            return
-        started = time.perf_counter()
-        res = self.kv.step(
-            release_slots=release_slots,
-            release_token_ids=release_tokens if release_slots else None,
-            cache=cache or None,
-            match=[(r.slot, r.tokens[: r.known], r.known - 1) for r in admitting] or None,
-            alloc_slots=[r.slot for r, _ in items],
-            alloc_needs=[n for _, n in items],
-            alloc_expected_lens=expected if items else None,
-        )
-        f.step_seconds += time.perf_counter() - started
-        f.iterations += 1
-        self.it += 1
-        for r, m in zip(admitting, res.match_lens.tolist(), strict=True):
-            r.computed = r.alloced = m
-            r.cached_pages = m // self.ps
-            r.matched_total += m
-        self._forward(items, res, released, admitting)
-
-    def _allocs(self) -> list[tuple[_Request, int]]:
-        """Decodes, then prefill chunks, within the budget."""
-        items = [(r, 1) for r in self.running if r.known - r.computed == 1]
-        budget = self.budget - len(items)
-        for r in self.running:
-            if r.known - r.computed > 1 and budget > 0:
-                n = min(r.known - r.computed, budget)
-                items.append((r, n))
-                budget -= n
-        return items
-
-    def _admit(self, items: list[tuple[_Request, int]]) -> list[_Request]:
-        """New requests within what the budget leaves (opened here), appended to ``items``
-        with their first chunk counted from 0 (the match in the same Step covers its start)."""
-        budget = self.budget - sum(n for _, n in items)
-        new: list[_Request] = []
-        while self.waiting and not self.pressure and budget > 0 and len(self.running) + len(new) < self.max_running:
-            new.append(self.waiting.popleft())
-            budget -= min(new[-1].known, budget)
-        self.pressure = False
-        if not new:
-            return []
+    def __iter__(self) -> Iterator[Delta]:
+        loop = self.loop
         try:
-            slots = self.kv.open([r.rid for r in new]).tolist()
-        except NoFreeRequestSlot:  # other sessions hold the server's slots: later
-            self.waiting.extendleft(reversed(new))
-            self.figures.no_free_slot += 1
-            return []
-        budget = self.budget - sum(n for _, n in items)
-        for r, slot in zip(new, slots, strict=True):
-            r.slot, r.admitted = slot, self.it
-            need = min(r.known, max(budget, 1))
-            budget -= need
-            items.append((r, need))
-            self.running.append(r)
-        return new
+            while not loop.done:
+                for r, n in loop.iteration():
+                    yield self._delta(r, n)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the session may be what failed
+                loop.abandon()
+            raise
+        finally:
+            self.engine.figures = loop.figures
 
-    def _forward(self, items: list[tuple[_Request, int]], res: Any, released: list[str], new: list[_Request]) -> None:
-        f = self.figures
-        status = res.status.numpy()
-        offsets = res.kv_loc_offsets.numpy()
-        kv_loc = res.kv_loc.numpy()
-        builder = BatchBuilder()
-        computing: list[tuple[_Request, int, bool]] = []
-        decodes = prefills = oom = 0
-        for i, (r, _) in enumerate(items):
-            s = int(status[i])
-            if s == OUT_OF_PAGES:
-                oom += 1
-                continue
-            if s != OK:
-                raise RuntimeError(f"alloc for prompt {r.index} (slot {r.slot}) failed with status {s}")
-            lo, hi = int(offsets[i]), int(offsets[i + 1])
-            got = hi - lo
-            r.alloced += got
-            if got == 0:  # an admission whose match covered its first chunk
-                continue
-            start = r.computed
-            samples = start + got == r.known
-            builder.add(r.rid, r.slot, start, r.tokens[start : start + got], kv_loc[lo:hi], int(samples))
-            computing.append((r, got, samples))
-            if r.known - start == 1:
-                decodes += 1
-            else:
-                prefills += 1
-        admitted = [Admission(r.rid, r.tokens[: r.known]) for r in new]
-        batch = builder.build(admitted, released, has_kv=True)
-        started = time.perf_counter()
-        out = self.model.forward(batch).next_tokens
-        f.forward_seconds += time.perf_counter() - started
-        f.max_forward_tokens = max(f.max_forward_tokens, batch.num_tokens)
-        f.mixed_forwards += int(decodes > 0 and prefills > 0)
-        k = 0
-        for r, got, samples in computing:
-            r.computed += got
-            r.computed_total += got
-            r.iterations += 1
-            if not samples:
-                continue
-            token = int(out[k])
-            k += 1
-            r.tokens[r.known] = token
-            r.known += 1
-            if token in self.stops or r.known - r.prompt_len >= self.max_new:
-                r.finish = "stop" if token in self.stops else "length"
-                self.running.remove(r)
-                self.leaving.append(r)
-        f.out_of_pages += oom
-        if oom:
-            self.pressure = True
-            if self.running:
-                victim = max(self.running, key=lambda r: (r.admitted, r.index))
-                self.running.remove(victim)
-                self.leaving.append(victim)
-                self.requeue.append(victim)
-                f.preemptions += 1
+    def _delta(self, r: Request, n: int) -> Delta:
+        new = r.new_tokens()
+        text = None
+        if self.texts:
+            full = self.engine.text(new.tolist(), self.stop) or ""
+            upto = len(full)
+            if not r.finish:
+                upto = len(full) - self.hold
+                while upto > 0 and full[upto - 1] == "\ufffd":  # a character still being decoded
+                    upto -= 1
+            upto = max(upto, self.emitted[r.index])
+            text, self.emitted[r.index] = full[self.emitted[r.index] : upto], upto
+        return Delta(r.index, new[-n:].tolist(), text, r.finish or None)
+
+    def completions(self) -> list[Completion]:
+        if not self.loop.done:
+            raise RuntimeError("the run has not finished: iterate it to the end first")
+        return [self._completion(r) for r in self.reqs]
+
+    def _completion(self, r: Request) -> Completion:
+        new = r.new_tokens().tolist()
+        logits = torch.stack(r.logits) if r.logits else None
+        figures = (r.prompt_len, r.matched_total, r.computed_total, r.iterations, r.preemptions)
+        return Completion(r.index, new, self.engine.text(new, self.stop), r.finish, *figures, logits)

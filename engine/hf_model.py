@@ -158,7 +158,8 @@ class TransformersModel:
 
     ``kv_cache``: per layer ``(K, V)`` ``[num_tokens, kv_heads, head_dim]`` (kvmem's
     :meth:`kvmem.client.KVMemClient.kv_cache`, or plain tensors); ``block_table``: the
-    int32 rows (:attr:`kvmem.client.KVMemClient.block_table`); ``page_size``: the
+    int32 rows (:attr:`kvmem.client.KVMemClient.block_table`, or the drop-in's
+    ``req_to_page``); ``page_size``: the
     pool's. The model is switched to :data:`~.attention.ATTENTION` if it was loaded with
     another attention. Refuses K/V tensors of another geometry (:func:`check_geometry`).
     :attr:`last_logits` holds the last forward's logits at its sampled positions
@@ -169,7 +170,7 @@ class TransformersModel:
         self,
         model: Any,
         kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        block_table: torch.Tensor,
+        block_table: Any,
         page_size: int,
         sampling: Sampling | None = None,
     ) -> None:

@@ -199,8 +199,9 @@ def test_stats_prints_a_table_and_json(server: ServerProcess) -> None:
         kv.release([probe])
         # Both at once: each imports the client library (and torch), which takes a while.
         runs = {
-            name: subprocess.Popen([*CLI, "stats", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env=clean_env())  # fmt: skip
+            name: subprocess.Popen(
+                [*CLI, "stats", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()
+            )  # fmt: skip
             for name, args in (
                 ("table", ["--socket", server.socket_path, "--audit"]),
                 ("json", ["--socket", server.socket_path, "--json"]),
@@ -571,12 +572,7 @@ def test_kv_events_zmq_without_pyzmq_is_refused_naming_the_extra(tmpdir_short: s
     shm_dir = os.path.join(tmpdir_short, "shm")
     os.mkdir(shm_dir)
     sock = os.path.join(tmpdir_short, "kvmem.sock")
-    code = (
-        "import sys\n"
-        "sys.modules['zmq'] = None\n"
-        "from kvmem.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
-    )
+    code = "import sys\nsys.modules['zmq'] = None\nfrom kvmem.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     run = subprocess.run(
         [sys.executable, "-c", code, "serve", "--socket", sock, "--shm-dir", shm_dir, "--kv-events-zmq", "tcp://*:0"],
         capture_output=True, text=True, env=clean_env(), timeout=60,

@@ -73,7 +73,10 @@ def test_dependencies_come_before_the_source_and_torch_only_in_the_cuda_variant(
 def test_the_image_copies_every_folder_the_package_is_built_from() -> None:
     """``pip install /src`` builds every package of pyproject's package-dir: a folder the
     image does not copy (a new application) would fail the build."""
-    folders = {where.split("/")[0] for where in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()}
+    folders = {
+        where.split("/")[0]
+        for where in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    }
     copied = {rest.split()[0] for word, rest in instructions() if word == "COPY" and "--from" not in rest}
     assert folders <= copied, f"not copied into the image: {sorted(folders - copied)}"
 

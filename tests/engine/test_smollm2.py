@@ -29,6 +29,7 @@ import torch
 from conftest import ServerProcess, short_tmpdir, start_server
 
 from kvmem.engine import models
+from kvmem.engine.generate import Engine
 from kvmem.engine.hf_model import serve_flags
 
 needs_smollm2 = pytest.mark.skipif(
@@ -156,6 +157,31 @@ def test_two_engine_processes_generate_smollm2_token_for_token_like_generate(
     for c in second["completions"]:  # the system prompt's full pages, computed by the first process
         assert c["matched_tokens"] >= shared // 16 * 16 > 0, (c, second["figures"])
         assert c["computed_tokens"] == c["prompt_tokens"] - c["matched_tokens"] + len(c["token_ids"]) - 1, c
+
+
+@needs_smollm2
+def test_tokens_stream_out_as_they_come_and_a_stop_string_ends_the_text_before_it(
+    loaded: tuple[Any, Any], prompts: list[list[int]], pool: ServerProcess
+) -> None:
+    """Engine.stream: each request's deltas, in order, add up to its completion (tokens
+    and text), the last one carries the finish reason; ``stop=["Paris"]`` ends the first
+    answer ("The capital of France is Paris.") with the text cut before it, and nothing
+    of the stop string was streamed."""
+    model, tokenizer = loaded
+    with Engine(model, pool.target, tokenizer=tokenizer, name="stream", cache_namespace="stream") as engine:
+        whole = engine.generate(prompts[:2], max_new_tokens=NEW_TOKENS, speculate=2)
+        deltas = list(engine.stream(prompts[:2], max_new_tokens=NEW_TOKENS))
+        stopped = list(engine.stream(prompts[:1], max_new_tokens=NEW_TOKENS, stop=["Paris"]))
+    assert "Paris" in (whole[0].text or ""), whole[0]
+    for c in whole:
+        mine = [d for d in deltas if d.index == c.index]
+        assert len(mine) > 3 and all(d.token_ids for d in mine), mine  # one delta an iteration, not one at the end
+        assert sum((d.token_ids for d in mine), []) == c.token_ids, (mine, c)
+        assert "".join(d.text or "" for d in mine) == c.text, (mine, c)
+        assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + [c.finish_reason], mine
+    text = "".join(d.text or "" for d in stopped)
+    assert stopped[-1].finish_reason == "stop" and text == whole[0].text.split("Paris")[0], (text, stopped)
+    assert tokenizer.decode(sum((d.token_ids for d in stopped), [])).rstrip().endswith("Paris"), stopped
 
 
 def test_a_missing_model_is_refused_in_one_line_that_says_how_to_install_it(

@@ -75,9 +75,7 @@ def client_worker(conn, handles: list[bytes], geometry: bytes) -> None:
     """A scheduler-worker stand-in: maps the handles through kvmem.client.memory and
     serves read/write commands over ``conn``."""
     try:
-        mem = MappedMemory.open(
-            [pb.MemoryHandle.FromString(b) for b in handles], pb.PoolGeometry.FromString(geometry)
-        )
+        mem = MappedMemory.open([pb.MemoryHandle.FromString(b) for b in handles], pb.PoolGeometry.FromString(geometry))
         conn.send(("ok", mem.backend))
         while True:
             op, args = conn.recv()
@@ -465,7 +463,9 @@ def test_sigkilled_server_files_are_removed_but_live_ones_survive(tmp_path):
     assert proc.exitcode == -signal.SIGKILL
     assert all(os.path.exists(p) for p in dead_paths)  # SIGKILL runs no cleanup
     assert sorted(remove_stale(str(tmp_path))) == sorted(dead_paths)
-    assert _files(tmp_path) == sorted(os.path.basename(p) for p in (live.kv_path, live.block_table_path, live.lock_path))
+    assert _files(tmp_path) == sorted(
+        os.path.basename(p) for p in (live.kv_path, live.block_table_path, live.lock_path)
+    )
     # The next server's start does the same.
     live.close()
     assert _files(tmp_path) == []
@@ -511,7 +511,9 @@ def test_client_process_writes_and_reads_kv_at_token_slots(tmp_path, fmt):
                 client.call("write", rank=0, layer=layer, part=part, slots=kv_loc.tolist(), values=vals)
                 server = b.kv()[layer, i] if fmt == "mha" else b.kv()[layer]
                 assert np.array_equal(server[torch.from_numpy(kv_loc).long()].float().numpy(), vals)
-                assert np.array_equal(_view(mine, 0, layer, part)[torch.from_numpy(kv_loc).long()].float().numpy(), vals)
+                assert np.array_equal(
+                    _view(mine, 0, layer, part)[torch.from_numpy(kv_loc).long()].float().numpy(), vals
+                )
         # Nothing else was touched.
         touched = torch.zeros(b.num_tokens, dtype=torch.bool)
         touched[torch.from_numpy(kv_loc).long()] = True
@@ -597,6 +599,7 @@ def test_one_gib_pool_maps_fast(tmp_path):
     """Server start (without reserving) and a client's attach-and-map of a 1 GiB pool
     do no per-page work: no byte of the pool is touched (the file stays sparse: the
     proof, whatever the host's speed), and it takes milliseconds, not seconds."""
+
     def free(d: str) -> int:
         st = os.statvfs(d)
         return st.f_bavail * st.f_frsize

@@ -50,9 +50,7 @@ def cuda_client_worker(conn, handles: list[bytes], geometry: bytes) -> None:
     kvmem.client.memory and serves commands; every write is synchronised before the
     reply, as a kernel the scheduler waits for would be."""
     try:
-        mem = MappedMemory.open(
-            [pb.MemoryHandle.FromString(b) for b in handles], pb.PoolGeometry.FromString(geometry)
-        )
+        mem = MappedMemory.open([pb.MemoryHandle.FromString(b) for b in handles], pb.PoolGeometry.FromString(geometry))
         devices = [mem.kv_buffer(r).device.index for r in range(mem.num_ranks)]
         conn.send(("ok", {"backend": mem.backend, "devices": devices}))
         while True:

@@ -389,26 +389,58 @@ INVALID_STEPS: list[tuple[str, dict[str, Any], str, tuple[object, ...]]] = [
     ("int64 max need", dict(alloc_slots=[1], alloc_needs=[2**63 - 1]), "BAD_VALUE", (2**63 - 1,)),
     ("int64 min need", dict(alloc_slots=[1], alloc_needs=[-(2**63)]), "BAD_VALUE", (-(2**63),)),
     ("negative truncate len", dict(truncate_slots=[1], truncate_lens=[-2]), "BAD_VALUE", ("truncate_lens[0]", -2)),
-    ("expected len below -1", dict(alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[-5]), "BAD_VALUE",
-     ("alloc_expected_lens[0]", -5)),
-    ("alloc lengths differ", dict(alloc_slots=[1, 2], alloc_needs=[1]), "LENGTH_MISMATCH",
-     ("alloc_slots", "alloc_needs", 2, 1)),
-    ("truncate lengths differ", dict(truncate_slots=[1], truncate_lens=[1, 2]), "LENGTH_MISMATCH",
-     ("truncate_slots", "truncate_lens", 1, 2)),
-    ("expected lengths differ", dict(alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[6, 3]),
-     "LENGTH_MISMATCH", ("alloc_expected_lens", 2)),
+    (
+        "expected len below -1",
+        dict(alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[-5]),
+        "BAD_VALUE",
+        ("alloc_expected_lens[0]", -5),
+    ),
+    (
+        "alloc lengths differ",
+        dict(alloc_slots=[1, 2], alloc_needs=[1]),
+        "LENGTH_MISMATCH",
+        ("alloc_slots", "alloc_needs", 2, 1),
+    ),
+    (
+        "truncate lengths differ",
+        dict(truncate_slots=[1], truncate_lens=[1, 2]),
+        "LENGTH_MISMATCH",
+        ("truncate_slots", "truncate_lens", 1, 2),
+    ),
+    (
+        "expected lengths differ",
+        dict(alloc_slots=[1], alloc_needs=[1], alloc_expected_lens=[6, 3]),
+        "LENGTH_MISMATCH",
+        ("alloc_expected_lens", 2),
+    ),
     # (a duplicate is named by its slot and by the index of one of its occurrences)
-    ("duplicate alloc slot", dict(alloc_slots=[1, 2, 1], alloc_needs=[1, 1, 1]), "DUPLICATE_SLOT",
-     ("alloc_slots[", "slot 1", "twice")),
+    (
+        "duplicate alloc slot",
+        dict(alloc_slots=[1, 2, 1], alloc_needs=[1, 1, 1]),
+        "DUPLICATE_SLOT",
+        ("alloc_slots[", "slot 1", "twice"),
+    ),
     ("duplicate release slot", dict(release_slots=[2, 2]), "DUPLICATE_SLOT", ("release_slots[", "slot 2")),
-    ("duplicate truncate slot", dict(truncate_slots=[1, 1], truncate_lens=[1, 1]), "DUPLICATE_SLOT",
-     ("truncate_slots[", "slot 1")),
+    (
+        "duplicate truncate slot",
+        dict(truncate_slots=[1, 1], truncate_lens=[1, 1]),
+        "DUPLICATE_SLOT",
+        ("truncate_slots[", "slot 1"),
+    ),
     ("many duplicates", dict(alloc_slots=[2] * 16, alloc_needs=[1] * 16), "DUPLICATE_SLOT", ("slot 2",)),
-    ("column over max_requests", dict(alloc_slots=[2] * 40, alloc_needs=[1] * 40), "BAD_VALUE",
-     ("alloc_slots has 40 items", "max_requests = 16")),
+    (
+        "column over max_requests",
+        dict(alloc_slots=[2] * 40, alloc_needs=[1] * 40),
+        "BAD_VALUE",
+        ("alloc_slots has 40 items", "max_requests = 16"),
+    ),
     # The step is validated whole: the valid release and truncate are not applied either.
-    ("valid release, bad alloc", dict(release_slots=[2], truncate_slots=[1], truncate_lens=[1], alloc_slots=[1],
-                                      alloc_needs=[-3]), "BAD_VALUE", ("alloc_needs[0]", -3)),  # fmt: skip
+    (
+        "valid release, bad alloc",
+        dict(release_slots=[2], truncate_slots=[1], truncate_lens=[1], alloc_slots=[1], alloc_needs=[-3]),
+        "BAD_VALUE",
+        ("alloc_needs[0]", -3),
+    ),  # fmt: skip
 ]
 
 
@@ -516,8 +548,14 @@ def test_slot_of_another_session_is_not_found_like_a_closed_slot(world: World) -
         assert all(err.metadata.get("slot") == str(slot) for slot, err in errors.items())
 
     # A's own slot in a list of B's: the item's index is named, nothing of A's state.
-    err = expect_error(world, NotFound, grpc.StatusCode.NOT_FOUND, "SLOT_NOT_FOUND",
-                       lambda: world.B.step(alloc_slots=[world.c, A_slot], alloc_needs=[1, 1]), "alloc_slots[1]")
+    err = expect_error(
+        world,
+        NotFound,
+        grpc.StatusCode.NOT_FOUND,
+        "SLOT_NOT_FOUND",
+        lambda: world.B.step(alloc_slots=[world.c, A_slot], alloc_needs=[1, 1]),
+        "alloc_slots[1]",
+    )
     assert "alpha" not in err.message and "6" not in err.message  # A's name, A's alloced_len
     # Releasing and allocating one slot in one step: the alloc finds it gone.
     expect_error(world, NotFound, grpc.StatusCode.NOT_FOUND, "SLOT_NOT_FOUND",

@@ -412,7 +412,11 @@ def test_budget_sizes_the_pool_attach_carries_the_layout_and_sigterm_removes_fil
     with KVMemClient(server.target, name="sizes") as kv:
         g = kv.geometry
         assert (g.num_pages, g.page_size, g.max_requests, g.max_context_len, g.max_pages_per_request) == (
-            want_pages, 16, 8, 1024, 64,
+            want_pages,
+            16,
+            8,
+            1024,
+            64,
         )
         lay = g.layout
         assert (lay.format, lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.kv_lora_rank, lay.rope_dim,
