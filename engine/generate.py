@@ -136,13 +136,21 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def generate(self, prompts: Sequence[str | Sequence[int] | np.ndarray], **options: Any) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int] | np.ndarray],
+        *,
+        on_delta: Callable[[Delta], None] | None = None,
+        **options: Any,
+    ) -> list[Completion]:
         """Complete ``prompts`` (text, with a tokenizer, or token ids), in their order;
-        the options are :meth:`stream`'s."""
+        the options are :meth:`stream`'s. ``on_delta`` is called with each
+        :class:`Delta` as it comes (its ``text`` None: the completions decode once)."""
         run = self._run(prompts, **options)
-        run.texts = False  # no text deltas: the completions decode once
-        for _ in run:
-            pass
+        run.texts = False
+        for delta in run:
+            if on_delta is not None:
+                on_delta(delta)
         return run.completions()
 
     def stream(self, prompts: Sequence[str | Sequence[int] | np.ndarray], **options: Any) -> Iterator[Delta]:

@@ -96,6 +96,20 @@ def add_parser(sub: Any, name: str = "generate") -> None:
         default=64,
         help="requests a worker runs at once; the others wait, and match what the finished ones cached (default: 64)",
     )
+    p.add_argument(
+        "--speculate",
+        metavar="K",
+        type=integer(0),
+        default=0,
+        help="draft tokens per decode by prompt lookup, verified in the same forward; the completions stay the "
+        "same (default: 0, none)",
+    )
+    p.add_argument(
+        "--api",
+        choices=["client", "compat"],
+        default="client",
+        help="drive kvmem through the batched client or through the drop-in, kvmem.client.compat (default: client)",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the check against the model's own generate()")
     p.add_argument(
         "--print-serve-flags", action="store_true", help="print the kvmem serve flags this model needs, and exit"
@@ -198,7 +212,7 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
             worker=w, target=target, auth_token=args.auth_token, model=args.model, prompts=prompts[w::workers],
             max_new_tokens=args.max_new_tokens, token_budget=args.token_budget, max_running=args.max_running,
             check=not args.no_check, session=f"kvmem-generate-{run_id}-w{w}", namespace=namespace,
-            corrupt=args.corrupt_one_token and w == 0,
+            api=args.api, speculate=args.speculate, corrupt=args.corrupt_one_token and w == 0,
         )
         for w in range(workers)
     ]  # fmt: skip

@@ -233,6 +233,8 @@ class GenerateConfig:
     check: bool
     session: str
     namespace: str
+    api: str = "client"
+    speculate: int = 0
     corrupt: bool = False  # test hook: the first completion's last token is reported off by one
 
 
@@ -257,7 +259,7 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag) -> None:
     import torch
 
     from .attention import ATTENTION
-    from .generate import Engine
+    from .generate import Delta, Engine
 
     w = config.worker
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
@@ -275,16 +277,18 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag) -> None:
     def on_forward(_module: Any, _args: Any, kwargs: dict[str, Any], _out: Any) -> None:
         nonlocal last
         counts["computed"] += int(kwargs["input_ids"].shape[1])
-        counts["generated"] += int(kwargs["logits_to_keep"].numel())
         counts["forwards"] += 1
         now = time.monotonic()
         if now - last >= REPORT_S:
             last = now
             messages.put({"kind": "progress", "worker": w, **counts, "elapsed_s": now - started})
 
+    def took(delta: Delta) -> None:  # the tokens kept (a rejected draft is computed, not generated)
+        counts["generated"] += len(delta.token_ids)
+
     with Engine(
         model, config.target, tokenizer=tokenizer, name=config.session, cache_namespace=config.namespace,
-        auth_token=config.auth_token, max_running=config.max_running,
+        auth_token=config.auth_token, max_running=config.max_running, api=config.api,
     ) as engine:  # fmt: skip
         messages.put({"kind": "ready", "worker": w})
         go.wait()
@@ -292,8 +296,9 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag) -> None:
         started = time.monotonic()
         try:
             out = engine.generate(
-                ids, max_new_tokens=config.max_new_tokens, stop_token_ids=stops, token_budget=config.token_budget
-            )
+                ids, max_new_tokens=config.max_new_tokens, stop_token_ids=stops, token_budget=config.token_budget,
+                speculate=config.speculate, on_delta=took,
+            )  # fmt: skip
         finally:
             hook.remove()
         elapsed = time.monotonic() - started

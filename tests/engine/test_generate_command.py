@@ -78,12 +78,13 @@ def absent_socket() -> Iterator[str]:
     os.rmdir(directory)
 
 
+@pytest.mark.parametrize("how", [[], ["--api", "compat", "--speculate", "3"]], ids=["client", "drop-in-drafts"])
 def test_two_workers_on_the_server_generate_starts_pass_the_check(
-    model_dir: pathlib.Path, prompts_file: pathlib.Path, absent_socket: str
+    model_dir: pathlib.Path, prompts_file: pathlib.Path, absent_socket: str, how: list[str]
 ) -> None:
     run = generate(
         "--model", model_dir, "--workers", "2", "--prompts", prompts_file, "--max-new-tokens", str(NEW_TOKENS),
-        "--socket", absent_socket, "--json",
+        "--socket", absent_socket, "--json", *how,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     assert f"no kvmem server answers at unix:{absent_socket}: starting one for this run" in run.stderr
