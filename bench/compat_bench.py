@@ -86,9 +86,7 @@ class KVServer(ServerProcesses):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--repeat", type=int, default=200, help="timed iterations of each (default 200; rounds of 5)"
-    )
+    parser.add_argument("--repeat", type=int, default=200, help="timed iterations of each (default 200; rounds of 5)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed iterations of each first (default 10)")
     parser.add_argument("--reference", default=None, help="path of seed_kv_allocator.py (default: ../shared/reference)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")

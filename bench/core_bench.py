@@ -503,9 +503,12 @@ def machine_info() -> dict[str, Any]:
         affinity = None
     repo = pathlib.Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {

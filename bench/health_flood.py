@@ -131,8 +131,10 @@ def main() -> int:
         rate = figures["calls_per_s"]
         print(f"{args.calls:,} malformed Health/Check bodies on {args.on} ({target}) in {took:.1f} s ({rate:,.0f}/s): "
               f"{dict(codes)}; {named[0]:,} named the method and the type")  # fmt: skip
-        print(f"server log: {len(lines)} lines, {figures['log_bytes']:,} bytes; {len(refusal_lines)} refusal lines, "
-              f"{figures['tracebacks']} tracebacks, {figures['error_lines']} ERROR lines; exit {exit_code}")
+        print(
+            f"server log: {len(lines)} lines, {figures['log_bytes']:,} bytes; {len(refusal_lines)} refusal lines, "
+            f"{figures['tracebacks']} tracebacks, {figures['error_lines']} ERROR lines; exit {exit_code}"
+        )
         for line in refusal_lines:
             print("  " + line[:240])
         print("PASS" if ok else "FAIL")

@@ -134,7 +134,9 @@ class Fleet(rb.ServerProcesses):
                 for name in sorted(waiting):
                     proc = self.procs[name]
                     if proc.poll() is not None:
-                        raise BenchFailed(f"server {name} exited with {proc.returncode} at start:\n{self.log_tail(name)}")
+                        raise BenchFailed(
+                            f"server {name} exited with {proc.returncode} at start:\n{self.log_tail(name)}"
+                        )
                     stub = health_pb2_grpc.HealthStub(channels[name])
                     try:
                         resp = stub.Check(health_pb2.HealthCheckRequest(service=KVMEM_SERVICE), timeout=0.5)
@@ -224,10 +226,17 @@ def scenario_attach(fleet: Fleet, reps: int, warmup: int, say: Callable[..., Non
     say(f"  attach+map of {pool_bytes / 2**30:.2f} GiB: median {summary(times['attach_map_shm'])['median']:.2f} ms")
     return {
         "times_ms": {k: summary(v) for k, v in times.items()},
-        "pool": {"num_pages": geometry.num_pages, "page_size": geometry.page_size, "bytes_per_token": lay.bytes_per_token,
-                 "kv_bytes": pool_bytes, "layers": lay.num_layers},  # fmt: skip
-        "server_ready_s": {"shm": round(fleet.ready_s.get("map", 0.0), 2),
-                           "none": round(fleet.ready_s.get("map-none", 0.0), 2)},  # fmt: skip
+        "pool": {
+            "num_pages": geometry.num_pages,
+            "page_size": geometry.page_size,
+            "bytes_per_token": lay.bytes_per_token,
+            "kv_bytes": pool_bytes,
+            "layers": lay.num_layers,
+        },  # fmt: skip
+        "server_ready_s": {
+            "shm": round(fleet.ready_s.get("map", 0.0), 2),
+            "none": round(fleet.ready_s.get("map-none", 0.0), 2),
+        },  # fmt: skip
         "checked": "views per layer of the whole pool; a value written through one client's map is read by the next's",
     }
 
@@ -426,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         if not step_names and not run_attach:
             say("nothing to run here (see the notes)")
         else:
-            say(f"starting {len(step_names) + 2 * run_attach} servers under {fleet.dir} (shm files in {fleet.shm_dir}) ...")
+            say(
+                f"starting {len(step_names) + 2 * run_attach} servers under {fleet.dir} (shm files in {fleet.shm_dir}) ..."
+            )
         if run_attach:
             fleet.start("map", "--memory", args.memory, *MAP_GEOMETRY)
             fleet.start("map-none", "--memory", args.memory, *MAP_GEOMETRY, "--device", "none")
@@ -465,9 +476,16 @@ def main(argv: list[str] | None = None) -> int:
         "statistic": "medians of interleaved repetitions; ratio = median / median (ratio_of_min uses minima)",
         "config": {
             "attach": {"memory": args.memory, "geometry": MAP_GEOMETRY, "reps": args.attach_reps},
-            "step": {"pool": STEP_POOL, "num_requests": rb.NUM_REQUESTS, "page_size": rb.PAGE_SIZE,
-                     "decode_lens": f"{rb.DECODE_BASE_LEN} + i % {rb.PAGE_SIZE}", "reps_asked": args.reps,
-                     "warmup": args.warmup, "budget_s": args.budget, "truncate_every": args.truncate_every},
+            "step": {
+                "pool": STEP_POOL,
+                "num_requests": rb.NUM_REQUESTS,
+                "page_size": rb.PAGE_SIZE,
+                "decode_lens": f"{rb.DECODE_BASE_LEN} + i % {rb.PAGE_SIZE}",
+                "reps_asked": args.reps,
+                "warmup": args.warmup,
+                "budget_s": args.budget,
+                "truncate_every": args.truncate_every,
+            },
         },  # fmt: skip
         "attach": att,
         "steps": steps,

@@ -223,8 +223,10 @@ def report(runs: list[dict], modes: list[str], args: Any) -> int:
     for key, n in sorted(seen.items()):
         mode, cls, code, reason = key
         print(f"{mode:8} {cls:14} {code:20} {reason:14} {n:>7,}  e.g. {example[key][:90]}")
-    print(f"CANCELLED / UNKNOWN / INTERNAL: {bad} (calls gRPC cancelled as its shutdown began, read as "
-          f"SHUTTING_DOWN by the clients: {mapped})")
+    print(
+        f"CANCELLED / UNKNOWN / INTERNAL: {bad} (calls gRPC cancelled as its shutdown began, read as "
+        f"SHUTTING_DOWN by the clients: {mapped})"
+    )
     print(
         f"SIGTERM to exit: {min(exits):.2f}-{max(exits):.2f} s (bound: drain {args.drain_ms} ms + grace "
         f"{args.grace_ms} ms + 0.5 s = {bound:.2f} s); exit codes {figures['exit_codes']}; {figures['steps']:,} steps"

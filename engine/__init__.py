@@ -7,8 +7,9 @@
   (:class:`~.model.SyntheticModel`, which writes the pattern K/V, or a transformers
   model, :mod:`.hf_model`, whose attention reads and writes kvmem's pages,
   :mod:`.attention`);
-* :mod:`.generate` -- :class:`~.generate.Engine`, a transformers model completing
-  prompts on a kvmem server (its own continuous-batching loop; the ``model`` extra);
+* :mod:`.generate` -- :class:`~.generate.Engine`, a transformers model completing and
+  streaming prompts on a kvmem server, through the client or the drop-in (its loop,
+  :mod:`.loop`; its models, :mod:`.models`; ``kvmem generate``; the ``model`` extra);
 * :mod:`.backend` -- the allocator seam: the Step the loop plans and the answer it reads
   (kvmem's client, the drop-in, or the reference allocator);
 * :mod:`.kv_check` -- the pattern K/V and the check that reads it back;
