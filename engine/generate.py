@@ -147,7 +147,7 @@ class Engine:
         the options are :meth:`stream`'s. ``on_delta`` is called with each
         :class:`Delta` as it comes (its ``text`` None: the completions decode once)."""
         run = self._run(prompts, **options)
-        run.texts = False
+        run.texts = None  # the completions decode once
         for delta in run:
             if on_delta is not None:
                 on_delta(delta)
@@ -254,9 +254,7 @@ class _Run:
 
     def __init__(self, engine: Engine, loop: Loop, reqs: list[Request], stop: tuple[str, ...]) -> None:
         self.engine, self.loop, self.reqs, self.stop = engine, loop, reqs, stop
-        self.emitted = [0] * len(reqs)  # characters of text streamed, per request
-        self.hold = max(map(len, stop), default=1) - 1  # a stop string's start is held back
-        self.texts = engine.tokenizer is not None
+        self.texts = [_Detokenizer(engine.tokenizer, stop) for _ in reqs] if engine.tokenizer is not None else None
 
     def __iter__(self) -> Iterator[Delta]:
         loop = self.loop
@@ -274,15 +272,8 @@ class _Run:
     def _delta(self, r: Request, n: int) -> Delta:
         new = r.new_tokens()
         text = None
-        if self.texts:
-            full = self.engine.text(new.tolist(), self.stop) or ""
-            upto = len(full)
-            if not r.finish:
-                upto = len(full) - self.hold
-                while upto > 0 and full[upto - 1] == "\ufffd":  # a character still being decoded
-                    upto -= 1
-            upto = max(upto, self.emitted[r.index])
-            text, self.emitted[r.index] = full[self.emitted[r.index] : upto], upto
+        if self.texts is not None:
+            text = self.texts[r.index].take(new, self.engine.text(new.tolist(), self.stop) if r.finish else None)
         return Delta(r.index, new[-n:].tolist(), text, r.finish or None)
 
     def completions(self) -> list[Completion]:
@@ -295,3 +286,36 @@ class _Run:
         logits = torch.stack(r.logits) if r.logits else None
         figures = (r.prompt_len, r.matched_total, r.computed_total, r.iterations, r.preemptions)
         return Completion(r.index, new, self.engine.text(new, self.stop), r.finish, *figures, logits)
+
+
+class _Detokenizer:
+    """One request's streamed text, decoded incrementally: each delta decodes a window
+    of tokens from the last point whose text is settled (``prefix`` .. ``read``), not
+    the whole completion, as vLLM's detokenizer does; text that may be the start of a
+    stop string, or an unfinished character, is held back until it is settled."""
+
+    __slots__ = ("emitted", "hold", "pending", "prefix", "read", "tokenizer")
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.hold = max(map(len, stop), default=1) - 1
+        self.prefix = self.read = 0
+        self.pending = ""
+        self.emitted = 0  # characters streamed
+
+    def take(self, tokens: np.ndarray, final: str | None) -> str:
+        """The text the completion's ``tokens`` add; ``final``: its whole text once it
+        is finished (stop strings cut), of which the rest is returned."""
+        if final is not None:
+            rest, self.emitted = final[self.emitted :], len(final)
+            return rest
+        decode = self.tokenizer.decode
+        settled = decode(tokens[self.prefix : self.read].tolist(), skip_special_tokens=True)
+        now = decode(tokens[self.prefix :].tolist(), skip_special_tokens=True)
+        if len(now) > len(settled) and not now.endswith("\ufffd"):
+            self.pending += now[len(settled) :]
+            self.prefix, self.read = self.read, int(tokens.size)
+        upto = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:upto], self.pending[upto:]
+        self.emitted += len(out)
+        return out
