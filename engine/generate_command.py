@@ -281,8 +281,9 @@ def _live(
     latest: dict[int, Any],
     shown: dict[int, str],
 ) -> None:
-    """A line per worker whose figures changed: tokens/s, requests running, its prefix
-    hit rate (the server's count for its session), and the pool."""
+    """A line per worker whose figures changed: tokens/s, requests running (the
+    server's count for its session), waiting (neither finished nor running), its prefix
+    hit rate (the server's count), and the pool."""
     try:
         s = stats(target, auth_token=token, timeout=2)
     except Exception:  # a sample is only a sample: the workers say what went wrong
@@ -295,7 +296,9 @@ def _live(
         running = u.num_requests if u is not None else 0
         hit = f"{u.prefix_hit_tokens / u.prefix_query_tokens:.0%}" if u is not None and u.prefix_query_tokens else "-"
         state = {"done": "done", "error": "failed", "checking": "checking"}.get(m.get("kind", ""), "running")
-        line = f"  w{c.worker} {state:<8} {rate:7.1f} tokens/s  running {running:>3}  prefix hit {hit:>4}"
+        waiting = max(len(c.prompts) - m.get("finished", 0) - running, 0)
+        line = f"  w{c.worker} {state:<8} {rate:7.1f} tokens/s  running {running:>3}  waiting {waiting:>3}  "
+        line += f"prefix hit {hit:>4}"
         if shown.get(c.worker) == line:
             continue
         shown[c.worker] = line

@@ -271,7 +271,7 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag) -> None:
     attention = model.config._attn_implementation
     ids = [encode(p, tokenizer, config.model) for p in config.prompts]
     stops = stop_tokens(model, tokenizer)
-    counts = {"generated": 0, "computed": 0, "forwards": 0}
+    counts = {"generated": 0, "computed": 0, "forwards": 0, "finished": 0}
     started = last = 0.0
 
     def on_forward(_module: Any, _args: Any, kwargs: dict[str, Any], _out: Any) -> None:
@@ -285,6 +285,7 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag) -> None:
 
     def took(delta: Delta) -> None:  # the tokens kept (a rejected draft is computed, not generated)
         counts["generated"] += len(delta.token_ids)
+        counts["finished"] += delta.finish_reason is not None
 
     with Engine(
         model, config.target, tokenizer=tokenizer, name=config.session, cache_namespace=config.namespace,
