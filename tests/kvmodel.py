@@ -202,6 +202,13 @@ class KVModel:
         self.quarantined: dict[Hashable, set[int]] = {}
         self.query_tokens = self.hit_tokens = self.evictions = 0
 
+    def restart_counters(self) -> None:
+        """A core adopted by a new process counts hits, queries and evictions from 0
+        (``kvmem.server.core.adopt``): so does the model, in total and per owner."""
+        self.query_tokens = self.hit_tokens = self.evictions = 0
+        for o in self.owners.values():
+            o.query_tokens = o.hit_tokens = o.evictions = 0
+
     # ------------------------------------------------------------------ views
 
     def requests_of(self, owner: Hashable) -> dict[int, Request]:

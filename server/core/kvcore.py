@@ -14,6 +14,7 @@ from kvmem.server.core.batch import NO_INT32, StepBatch, StepResult
 from kvmem.server.core.config import AuditReport, CoreConfig, OwnerId, OwnerUsage, PoolStats
 from kvmem.server.core.events import AllCleared, CacheEvent
 from kvmem.server.core.hashing import PageKeys, XXH3Keys
+from kvmem.server.core.image import CoreImage
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.prefix import PrefixCache
 from kvmem.server.core.slots import RequestTable
@@ -44,6 +45,10 @@ class KVCore:
     cache events of each mutating call that made any, as one list (see
     :mod:`kvmem.server.core.events`).
 
+    ``image`` (:class:`~kvmem.server.core.image.CoreImage`): the state image the
+    owners write their facts into, in place, so that a later process can take the core
+    over (:func:`kvmem.server.core.adopt.adopt`); None (the default) keeps no image.
+
     Costs are stated per method: ``n`` items in a call, ``T`` tokens it allocates, ``P``
     pages it takes or drops. Nothing is proportional to ``num_pages`` except
     :meth:`audit` and construction.
@@ -58,16 +63,20 @@ class KVCore:
         prefix_cache: bool = True,
         page_keys: PageKeys | None = None,
         event_sink: Callable[[list[CacheEvent]], None] | None = None,
+        image: CoreImage | None = None,
     ) -> None:
         self.config = config
-        self.pool = PagePool(config.num_pages)
-        self.cache = PrefixCache(config.num_pages, config.page_size, page_keys or XXH3Keys(), enabled=prefix_cache)
+        self.image = image
+        self.pool = PagePool(config.num_pages, image)
+        self.cache = PrefixCache(
+            config.num_pages, config.page_size, page_keys or XXH3Keys(), enabled=prefix_cache, image=image
+        )
         if prefix_cache:
             self.pool.cache = self.cache
         self.event_sink = event_sink
         self.table = BlockTable(config, block_table)
         self.block_table = self.table.array
-        self.slots = RequestTable(config.max_requests, self.table, self.pool)
+        self.slots = RequestTable(config.max_requests, self.table, self.pool, image)
         self._allocator = Allocator(config, self.pool, self.table, self.slots)
         self.audit_every_step = audit_every_step
         # Pages of removed owners that no one may take yet, by owner (see remove_owner).
@@ -98,6 +107,7 @@ class KVCore:
         released = self.slots.remove_owner(self.slots.owner(owner), hold)
         if hold:
             self._quarantine[owner] = hold
+            self.pool.mark_held(owner, hold)
         self._finish()
         return released
 
@@ -112,6 +122,13 @@ class KVCore:
         freed = 0 if hold is None else self.pool.release_held(hold)
         self._finish()
         return freed
+
+    def install_quarantine(self, quarantine: dict[int, list[np.ndarray]]) -> None:
+        """An adopted state's quarantines, by owner (:mod:`.adopt`; the pool already
+        counts their pages)."""
+        self._quarantine = quarantine
+        for owner, hold in quarantine.items():
+            self.pool.mark_held(owner, hold)
 
     def has_owner(self, owner: int) -> bool:
         return owner in self.slots.owners

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvmem.server.core.image import CoreImage
 from kvmem.server.core.prefix import PrefixCache
 from kvmem.server.core.words import StampedWords
 from kvmem.server.errors import CorruptionError
@@ -28,12 +29,16 @@ class PagePool:
     find pages listed twice, so a free check reads count and stamp with one gather.
     """
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, image: CoreImage | None = None) -> None:
         self.num_pages = num_pages
         self._words = StampedWords(num_pages, 1 << 16)
         self.ref_cnt = self._words.value
+        self._image = image  # the free stack and the quarantines' pages live there (see .image)
         # Descending, so the first pages handed out are 1, 2, 3, ... (readable in tests).
-        self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
+        self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32) if image is None else image.free_pages
+        if image is not None:
+            self._free[: num_pages - 1] = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
+            image.set("num_free_pages", num_pages - 1)
         self._num_free = num_pages - 1
         self.num_quarantined = 0
         self.cache: PrefixCache | None = None  # set by the core when the prefix cache is on
@@ -62,6 +67,8 @@ class PagePool:
             return self._take_evicting(num)
         pages = self._free[top - num : top][::-1].copy()
         self._num_free = top - num
+        if self._image is not None:
+            self._image.set("num_free_pages", top - num)
         self._words.word[pages] = 1  # count 1, stamp cleared
         return pages
 
@@ -74,6 +81,8 @@ class PagePool:
         evicted = self.cache.evict(num - top)
         pages = np.concatenate((self._free[:top][::-1], evicted)) if top else evicted
         self._num_free = 0
+        if self._image is not None:
+            self._image.set("num_free_pages", 0)
         self._words.word.put(pages, 1)
         return pages
 
@@ -179,6 +188,8 @@ class PagePool:
         top = self._num_free
         self._free[top : top + freed.size] = freed
         self._num_free = top + freed.size
+        if self._image is not None:
+            self._image.set("num_free_pages", self._num_free)
         return int(freed.size)
 
     def release_held(self, hold: list[np.ndarray]) -> int:
@@ -186,6 +197,24 @@ class PagePool:
         freed = 0
         for pages in hold:
             self.num_quarantined -= int(pages.size)
+            if self._image is not None:
+                self._image.page_held_by[pages] = 0
             freed += self._push(pages)
         hold.clear()
         return freed
+
+    def mark_held(self, owner: int, hold: list[np.ndarray]) -> None:
+        """Record in the image whose quarantine holds the pages of ``hold``. O(pages)."""
+        if self._image is not None:
+            for pages in hold:
+                self._image.page_held_by[pages] = owner
+
+    def install(self, ref_cnt: np.ndarray, free: np.ndarray, held: int) -> None:
+        """An adopted state (:mod:`.adopt`): the reference counts, the free stack (in
+        stack order, the top last) and how many pages quarantines hold. O(pool), once."""
+        self._words.word[:] = ref_cnt.astype(np.int64)
+        self._free[: free.size] = free
+        self._num_free = int(free.size)
+        self.num_quarantined = held
+        if self._image is not None:
+            self._image.set("num_free_pages", self._num_free)

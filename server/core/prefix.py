@@ -30,6 +30,7 @@ import numpy as np
 
 from kvmem.server.core.events import CacheEvent, PagesRemoved, PagesStored
 from kvmem.server.core.hashing import PageKeys
+from kvmem.server.core.image import CoreImage
 
 
 class PrefixCache:
@@ -37,8 +38,17 @@ class PrefixCache:
     :meth:`push_evictable`, :meth:`unevict` and :meth:`evict`; the prefix step
     (:mod:`kvmem.server.core.prefix_step`) :meth:`insert`. Events of the current call collect in ``events``."""
 
-    def __init__(self, num_pages: int, page_size: int, page_keys: PageKeys, *, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        page_keys: PageKeys,
+        *,
+        enabled: bool = True,
+        image: CoreImage | None = None,
+    ) -> None:
         self.enabled = enabled
+        self._image = image  # each cached page's facts live there too (see .image)
         self.page_size = page_size
         self.page_keys = page_keys
         self.index: dict[bytes, int] = {}
@@ -46,8 +56,8 @@ class PrefixCache:
         self.parent = np.full(num_pages, None, dtype=object)  # the parent key (a root for a first page)
         self.tokens = np.full(num_pages, None, dtype=object)  # int32 token ids (for snapshots)
         self.namespace = np.full(num_pages, None, dtype=object)
-        self.depth = np.zeros(num_pages, dtype=np.int32)  # column in its chain
-        self.cached = np.zeros(num_pages, dtype=bool)
+        self.depth = np.zeros(num_pages, dtype=np.int32) if image is None else image.page_depth  # column in its chain
+        self.cached = np.zeros(num_pages, dtype=bool) if image is None else image.page_cached
         self.roots: dict[str, bytes] = {}  # namespace -> the parent key of its chains' first pages
         # The evictable queue: entries [head, tail) of (page, seq); valid while lru_seq[page] == seq.
         cap = 2 * num_pages + 64
@@ -55,7 +65,7 @@ class PrefixCache:
         self._q_seq = np.zeros(cap, dtype=np.int64)
         self._head = self._tail = 0
         self._seq = 0
-        self.lru_seq = np.full(num_pages, -1, dtype=np.int64)  # -1: not evictable
+        self.lru_seq = np.full(num_pages, -1, dtype=np.int64) if image is None else image.page_lru  # -1: not evictable
         self.num_evictable = 0
         self.num_evictions = 0  # since start
         self.num_inserted = 0
@@ -89,9 +99,16 @@ class PrefixCache:
         out: list[int] = []
         run_start = -1
         prev = parent
+        image = self._image
+        ns_id = image.namespace_id(namespace) if image is not None else 0
         for col, (page, key) in enumerate(zip(pages, keys, strict=True)):
             have = get(key)
             if have is None:
+                if image is not None:  # the facts before the flag: a crash leaves it whole or not cached
+                    image.page_key[page] = np.frombuffer(key, dtype=np.uint8)
+                    image.page_parent[page] = np.frombuffer(prev, dtype=np.uint8)
+                    image.page_tokens[page] = tokens[col * ps : (col + 1) * ps]
+                    image.page_ns[page] = ns_id
                 index[key] = page
                 self.key[page] = key
                 self.parent[page] = prev
@@ -207,6 +224,39 @@ class PrefixCache:
         """The evictable pages, least recently used first. O(queue): for the audit and tests."""
         pages = self._q_page[self._head : self._tail]
         return pages[self.lru_seq[pages] == self._q_seq[self._head : self._tail]]
+
+    # ------------------------------------------------------------ adoption
+
+    def install(
+        self,
+        pages: np.ndarray,
+        keys: list[bytes],
+        parents: list[bytes],
+        depth: np.ndarray,
+        namespaces: list[str],
+        tokens: np.ndarray,
+        evictable: np.ndarray,
+    ) -> None:
+        """An adopted cache (:mod:`.adopt`): ``pages`` with their facts (checked there:
+        whole chains, distinct keys), and the evictable ones among them least recently
+        used first. O(pages), once."""
+        image = self._image
+        for namespace in set(namespaces):
+            self.root(namespace)  # the roots the chains start from (the audit reads them)
+        for i, page in enumerate(pages.tolist()):
+            key = keys[i]
+            if image is not None:
+                image.page_key[page] = np.frombuffer(key, dtype=np.uint8)
+                image.page_parent[page] = np.frombuffer(parents[i], dtype=np.uint8)
+                image.page_tokens[page] = tokens[i]
+                image.page_ns[page] = image.namespace_id(namespaces[i])
+            self.index[key] = page
+            self.key[page], self.parent[page], self.namespace[page] = key, parents[i], namespaces[i]
+            self.tokens[page] = tokens[i].copy()
+        self.depth[pages] = depth
+        self.cached[pages] = True
+        if evictable.size:
+            self.push_evictable(evictable[::-1])  # queued reversed: least recently used first
 
     # ------------------------------------------------------------ snapshot
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvmem.server.core.batch import NO_INT32, raise_first, too_many
 from kvmem.server.core.config import OwnerId
+from kvmem.server.core.image import CoreImage
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.table import BlockTable, segments
 from kvmem.server.core.words import StampedWords
@@ -40,6 +41,7 @@ class Owner:
     num_requests: int = 0
     request_slots: dict[str, int] = dataclasses.field(default_factory=dict)
     namespace: str = ""  # its prefix-cache namespace
+    record: int = -1  # its record in the state image (-1: no image)
     prefix_query_tokens: int = 0  # tokens its match items asked for
     prefix_hit_tokens: int = 0  # tokens they matched
     num_evictions: int = 0  # cached pages its allocs evicted
@@ -66,14 +68,15 @@ class RequestTable:
     are a stack whose top is handed out first; descending, so the first slots are 1,
     2, 3, ... ``scratch`` is scratch per slot, for any check."""
 
-    def __init__(self, max_requests: int, table: BlockTable, pool: PagePool) -> None:
+    def __init__(self, max_requests: int, table: BlockTable, pool: PagePool, image: CoreImage | None = None) -> None:
         self.max_requests = max_requests
         self.table, self.pool = table, pool
         table.array[...] = 0  # every row empty
         n_slots = max_requests + 2  # slot 0 padding, last entry a sentinel
-        self._words = StampedWords(n_slots, n_slots)
+        self._image = image  # owners, lengths, request ids and the free slots live there (see .image)
+        self._words = StampedWords(n_slots, n_slots, None if image is None else image.slot_word)
         self.owner_of = self._words.value
-        self.alloced = np.zeros(n_slots, dtype=np.int32)
+        self.alloced = np.zeros(n_slots, dtype=np.int32) if image is None else image.alloced
         # The request id of each open slot, None when closed: an object array, so a
         # release reads and clears its slots' ids in two array operations.
         self.request_id = np.full(n_slots, None, dtype=object)
@@ -82,6 +85,12 @@ class RequestTable:
         self.num_free = max_requests
         self.owners: dict[int, Owner] = {}
         self._next_owner = 1
+        self._records: list[int] = []  # free owner records of the image, lowest last
+        if image is not None:
+            self._free = image.free_slots
+            self._free[:] = np.arange(max_requests, 0, -1, dtype=np.int64)
+            image.set("num_free_slots", max_requests)
+            self._records = list(range(image.layout.max_owners - 1, -1, -1))
         self._col = np.arange(table.width, dtype=np.int64)
         self._heads: list[tuple[np.ndarray, np.ndarray] | None] = [None] * (table.width + 1)
 
@@ -97,7 +106,59 @@ class RequestTable:
         index = OwnerId(self._next_owner)
         self._next_owner += 1
         self.owners[index] = Owner(index, StampedWords.expected(index, self._words.order_size), namespace=namespace)
+        image = self._image
+        if image is not None:
+            if not self._records:
+                del self.owners[index]
+                raise KVMemError(
+                    Reason.TOO_MANY_SESSIONS,
+                    f"the state image holds {image.layout.max_owners} owners at once, all in use",
+                )
+            record = self.owners[index].record = self._records.pop()
+            image.owner_ns[record] = image.namespace_id(namespace)
+            image.owner_id[record] = index
+            image.set("next_owner", self._next_owner)
         return index
+
+    def install(
+        self,
+        owners: list[tuple[int, str]],
+        next_owner: int,
+        slots: np.ndarray,
+        owner_of: np.ndarray,
+        alloced: np.ndarray,
+        rows: np.ndarray,
+        request_ids: list[str],
+        free_order: np.ndarray,
+    ) -> None:
+        """An adopted state (:mod:`.adopt`, which checked it): the owners ``(index,
+        namespace)``, open ``slots`` with their owners, lengths, rows and ids, and the
+        free slot stack (the top last). The pool's counts are installed apart. O(n *
+        width), once."""
+        self._next_owner = next_owner
+        for index, namespace in owners:
+            self._next_owner, keep = index, self._next_owner
+            self.add_owner(namespace)
+            self._next_owner = keep
+        if self._image is not None:
+            self._image.set("next_owner", next_owner)
+        if slots.size:
+            if self._image is not None:
+                self._image.write_request_ids(slots, request_ids)
+            self.table.array[slots] = rows
+            self.alloced[slots] = alloced
+            self.owner_of[slots] = owner_of
+            self.request_id[slots] = np.array(request_ids, dtype=object)
+        pages = self.table.num_pages_for(alloced)
+        for slot, owner, rid, n in zip(slots.tolist(), owner_of.tolist(), request_ids, pages.tolist(), strict=True):
+            state = self.owners[owner]
+            state.request_slots[rid] = slot
+            state.num_requests += 1
+            state.num_pages_held += n
+        self._free[: free_order.size] = free_order
+        self.num_free = int(free_order.size)
+        if self._image is not None:
+            self._image.set("num_free_slots", self.num_free)
 
     def remove_owner(self, state: Owner, hold: list[np.ndarray] | None = None) -> int:
         """Release every request of ``state`` (as :meth:`release` would, pages into
@@ -106,6 +167,9 @@ class RequestTable:
         open_slots = self.slots_of(state)
         self.release(state, open_slots, hold)
         del self.owners[state.index]
+        if self._image is not None:
+            self._image.owner_id[state.record] = 0
+            self._records.append(state.record)
         return int(open_slots.size)
 
     def owner(self, index: int) -> Owner:
@@ -164,8 +228,11 @@ class RequestTable:
                 free=top,
             )
         if k:
-            taken = self._free[top - k : top][::-1]
+            taken = self._free[top - k : top][::-1].copy()
             self.num_free = top - k
+            if self._image is not None:  # the ids first: a slot with an owner has its id
+                self._image.write_request_ids(taken, list(new_ids))
+                self._image.set("num_free_slots", top - k)
             self.owner_of[taken] = state.index
             live.update(zip(new_ids, taken.tolist(), strict=True))
             self.request_id[taken] = np.fromiter(new_ids, dtype=object, count=k)
@@ -244,6 +311,9 @@ class RequestTable:
         top = self.num_free
         self._free[top : top + slots.size] = slots
         self.num_free = top + slots.size
+        if self._image is not None:
+            self._image.rid_len[slots] = 0
+            self._image.set("num_free_slots", self.num_free)
         state.num_requests -= slots.size
         if state.num_requests:
             collections.deque(map(state.request_slots.pop, self.request_id[slots].tolist()), maxlen=0)

@@ -32,8 +32,8 @@ class StampedWords:
 
     __slots__ = ("_order", "stamp", "value", "word")
 
-    def __init__(self, n: int, order_size: int) -> None:
-        self.word = np.zeros(n, dtype=np.int64)
+    def __init__(self, n: int, order_size: int, word: np.ndarray | None = None) -> None:
+        self.word = np.zeros(n, dtype=np.int64) if word is None else word  # word: an image's array
         halves = self.word.view(np.int32)
         self.value = halves[_LOW::2]
         self.stamp = halves[1 - _LOW :: 2]

@@ -56,7 +56,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvmodel import Answer, Effects, KVModel, Removed, Request, Step, Stored
 
 from kvmem.server.core import CoreConfig, KVCore, StepBatch
+from kvmem.server.core.adopt import adopt, layout_for
 from kvmem.server.core.events import AllCleared, CacheEvent, PagesRemoved, PagesStored
+from kvmem.server.core.image import CoreImage
 from kvmem.server.errors import KVMemError, Reason
 
 OWNERS = ("o0", "o1", "o2")
@@ -159,7 +161,12 @@ class PrefixMachine(RuleBasedStateMachine):
         self.width = self.cfg.max_pages_per_request
         self.enabled = enabled
         self.sink: list[list[CacheEvent]] = []
-        self.core = KVCore(self.cfg, audit_every_step=True, prefix_cache=enabled, event_sink=self.sink.append)
+        self.image = bytearray(layout_for(self.cfg).size)  # the state image a restart adopts
+        self.core = KVCore(
+            self.cfg, audit_every_step=True, prefix_cache=enabled, event_sink=self.sink.append,
+            image=CoreImage.create(self.image, layout_for(self.cfg)),
+        )  # fmt: skip
+        self.restarts = 0
         self.model = KVModel(num_pages, ps, max_requests, max_ctx, prefix_cache=enabled)  # owners: the core's indices
         self.names = OWNERS[: len(layout)]
         self.ns = dict(zip(self.names, layout, strict=True))
@@ -620,6 +627,23 @@ class PrefixMachine(RuleBasedStateMachine):
             batch = dataclasses.replace(StepBatch.of(cache=[(s, toks)]), cache_slots=np.array([s, s], dtype=np.int64))
             b, reason = (batch, Step(cache_slots=[s, s], cache_tokens=[toks])), Reason.LENGTH_MISMATCH
         self.expect_error(owner, reason, *b)
+
+    @rule()
+    def restart(self) -> None:
+        """The server restarts: a new core adopts the old one's state image and block
+        table (a clean state: nothing to repair); the model goes on unchanged but for
+        the counters since start."""
+        old = self.core
+        core, report = adopt(
+            self.cfg, old.block_table, self.image, prefix_cache=self.enabled, audit_every_step=True,
+            event_sink=self.sink.append,
+        )  # fmt: skip
+        assert report.repaired == (), report
+        assert report.requests == len(self.reqs) and report.owners == len(self.model.owners), report
+        self.core = core
+        self.model.restart_counters()
+        self.restarts += 1
+        event("restarts")
 
     # -------------------------------------------------------------- invariant
 

@@ -1,0 +1,284 @@
+"""Taking a core over from a state image (:mod:`.image`) another process wrote:
+:func:`adopt` reads its facts, repairs what a crash can leave half done, and builds a
+core on the same image and block table with the same rows, lengths, request ids,
+owners, cached chains and quarantines. What is derived (reference counts, the free and
+evictable stacks, the key index, the owners' accounting) is derived again, so a state
+cut at any instant comes back consistent: no page lost, none held twice, every row
+agreeing with its length, the audit clean.
+
+Repairs, each reported in one line (:attr:`Adoption.repaired`):
+
+* a cached page whose chain is broken (its parent not cached, a key cached twice, a
+  depth that does not follow its parent's) is no longer cached, nor its descendants;
+* a slot whose owner is unknown, or whose request id is missing or held twice by one
+  owner, is closed;
+* a row entry past a request's pages is zeroed; a length whose row lacks pages (an
+  entry 0 or out of range) is cut to the pages the row has;
+* a page that is not cached but in two rows (a Step cut between a release and an alloc
+  cannot leave one, but a torn image could) stays in the first row only: the others
+  are cut before it;
+* a quarantined page that is in a row or cached leaves its quarantine.
+
+The free stack keeps its order when it still holds exactly the free pages (a clean
+stop); otherwise it is rebuilt, lowest page on top. The same for the free slots.
+O(pool + requests * width), once per start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvmem.server.core.config import CoreConfig
+from kvmem.server.core.events import CacheEvent
+from kvmem.server.core.hashing import PageKeys, XXH3Keys
+from kvmem.server.core.image import CoreImage, ImageLayout, ImageMismatch
+from kvmem.server.core.kvcore import KVCore
+from kvmem.server.errors import CorruptionError
+
+__all__ = ["DEFAULT_MAX_OWNERS", "Adoption", "adopt", "layout_for"]
+
+DEFAULT_MAX_OWNERS = 4096
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Adoption:
+    """What :func:`adopt` took over, and what it repaired."""
+
+    owners: int
+    requests: int
+    pages_in_rows: int
+    cached_pages: int
+    quarantined_pages: int
+    repaired: tuple[str, ...]
+
+    def describe(self) -> str:
+        repaired = f"; repaired: {'; '.join(self.repaired)}" if self.repaired else "; nothing to repair"
+        return (
+            f"adopted {self.owners} owners, {self.requests} open requests holding {self.pages_in_rows} pages, "
+            f"{self.cached_pages} cached pages, {self.quarantined_pages} quarantined{repaired}"
+        )
+
+
+def layout_for(
+    config: CoreConfig, page_keys: PageKeys | None = None, max_owners: int = DEFAULT_MAX_OWNERS
+) -> ImageLayout:
+    """The image layout of a core of ``config`` keyed by ``page_keys``."""
+    key_bytes = len((page_keys or XXH3Keys()).root(""))
+    return ImageLayout(
+        config.num_pages, config.page_size, config.max_requests, config.max_pages_per_request, key_bytes, max_owners
+    )
+
+
+def adopt(
+    config: CoreConfig,
+    block_table: np.ndarray,
+    buffer: Any,
+    *,
+    page_keys: PageKeys | None = None,
+    prefix_cache: bool = True,
+    audit_every_step: bool = False,
+    event_sink: Callable[[list[CacheEvent]], None] | None = None,
+    max_owners: int = DEFAULT_MAX_OWNERS,
+) -> tuple[KVCore, Adoption]:
+    """A core over the image in ``buffer`` and ``block_table`` (the previous process's),
+    with its state: see the module's docstring. :class:`ImageMismatch` names what does
+    not fit (another geometry or version, not an image, a writer still alive); nothing
+    is changed then."""
+    keys = page_keys or XXH3Keys()
+    layout = layout_for(config, keys, max_owners)
+    old = CoreImage.open(buffer, layout)
+    if old.writer_alive():
+        raise ImageMismatch(f"the state image is in use: process {old.get('writer_pid')}, which wrote it, is running")
+    if block_table.shape != config.block_table_shape:
+        raise ImageMismatch(
+            f"the block table is {block_table.shape}, the image's geometry needs {config.block_table_shape}"
+        )
+    facts = _Facts(old, block_table, config, keys)
+    core = KVCore(
+        config, block_table, audit_every_step=False, prefix_cache=prefix_cache, page_keys=keys,
+        event_sink=event_sink, image=CoreImage.create(buffer, layout),
+    )  # fmt: skip
+    report = facts.install(core, prefix_cache)
+    found = core.audit()
+    if not found.ok:
+        raise CorruptionError(f"the adopted state fails its audit: {'; '.join(found.problems[:8])}")
+    core.audit_every_step = audit_every_step
+    return core, report
+
+
+class _Facts:
+    """The old image's facts, copied out (the new image is laid over the same buffer)."""
+
+    def __init__(self, image: CoreImage, block_table: np.ndarray, config: CoreConfig, keys: PageKeys) -> None:
+        n_slots = config.max_requests + 1
+        self.config, self.keys = config, keys
+        self.repaired: list[str] = []
+        self.next_owner = image.get("next_owner")
+        self.slot_owner = (image.slot_word[:n_slots] & 0xFFFFFFFF).astype(np.int64)  # the value half of each word
+        self.lengths = image.alloced[:n_slots].astype(np.int64)
+        self.rows = block_table.copy()
+        self.rids = [image.request_id(s) if image.rid_len[s] > 0 else "" for s in range(n_slots)]
+        self.free_slots = image.free_slots[: image.get("num_free_slots")].copy()
+        records = np.flatnonzero(image.owner_id > 0)
+        self.owners = {int(image.owner_id[r]): image.namespace_name(int(image.owner_ns[r])) for r in records}
+        self.cached = np.flatnonzero(image.page_cached[1:]) + 1
+        c = self.cached
+        self.key = [image.page_key[p].tobytes() for p in c.tolist()]
+        self.parent = [image.page_parent[p].tobytes() for p in c.tolist()]
+        self.depth = image.page_depth[c].copy()
+        self.ns = [
+            image.namespace_name(int(i)) if 0 <= i < image.get("num_namespaces") else None for i in image.page_ns[c]
+        ]
+        self.tokens = image.page_tokens[c].copy()
+        self.lru = image.page_lru[c].copy()
+        self.held_by = image.page_held_by.copy()
+        self.free_pages = image.free_pages[: image.get("num_free_pages")].copy()
+
+    # ------------------------------------------------------------------ cache
+
+    def _chains(self) -> np.ndarray:
+        """The cached pages whose chains are whole (a mask over ``self.cached``)."""
+        n = self.cached.size
+        keep = np.zeros(n, dtype=bool)
+        where: dict[bytes, int] = {}  # key -> its position among the kept
+        roots: dict[str, bytes] = {}
+        dropped = 0
+        for i in np.argsort(self.depth, kind="stable").tolist():
+            ns, key, parent, depth = self.ns[i], self.key[i], self.parent[i], int(self.depth[i])
+            if ns is None or key in where:
+                dropped += 1
+                continue
+            if ns not in roots:
+                roots[ns] = self.keys.root(ns)
+            if depth == 0:
+                ok = parent == roots[ns]
+            else:
+                up = where.get(parent)
+                ok = up is not None and int(self.depth[up]) == depth - 1 and self.ns[up] == ns
+            if ok:
+                keep[i] = True
+                where[key] = i
+            else:
+                dropped += 1
+        if dropped:
+            self.repaired.append(f"{dropped} cached page(s) of broken chains uncached")
+        return keep
+
+    # ------------------------------------------------------------------- rows
+
+    def _requests(self, cached_mask: np.ndarray) -> np.ndarray:
+        """The slots kept open, their rows and lengths repaired in place."""
+        ps, num_pages = self.config.page_size, self.config.num_pages
+        width = self.rows.shape[1]
+        slot_owner, lengths, rows = self.slot_owner, self.lengths, self.rows
+        slot_ids = np.arange(slot_owner.size)
+        closing = (slot_owner != 0) & ~np.isin(slot_owner, list(self.owners))
+        closing[0] = slot_owner[0] != 0
+        seen: set[tuple[int, str]] = set()
+        for s in np.flatnonzero(slot_owner).tolist():
+            key = (int(slot_owner[s]), self.rids[s])
+            if not self.rids[s] or key in seen:
+                closing[s] = True
+            seen.add(key)
+        if np.count_nonzero(closing):
+            self.repaired.append(f"{int(np.count_nonzero(closing))} request slot(s) of unknown owners or ids closed")
+        slot_owner[closing] = 0
+        lengths[slot_owner == 0] = 0
+        open_slots = slot_ids[slot_owner != 0]
+        lengths[:] = np.clip(lengths, 0, width * ps)
+        valid = (rows > 0) & (rows < num_pages)
+        need = (lengths + ps - 1) // ps
+        have = np.where(valid.all(axis=1), width, np.argmin(valid, axis=1))  # leading valid entries
+        short = (need > have) & (slot_owner != 0)
+        if np.count_nonzero(short):
+            self.repaired.append(f"{int(np.count_nonzero(short))} length(s) cut to the pages their rows hold")
+            lengths[short] = have[short] * ps
+        self._one_row_per_page(open_slots, cached_mask)
+        need = (lengths + ps - 1) // ps
+        past = np.arange(width)[None, :] >= need[:, None]
+        stray = past & (rows != 0)
+        if np.count_nonzero(stray):
+            self.repaired.append(f"{int(np.count_nonzero(stray))} row entries past their requests' pages zeroed")
+        rows[past] = 0
+        return open_slots
+
+    def _one_row_per_page(self, open_slots: np.ndarray, cached_mask: np.ndarray) -> None:
+        ps, num_pages = self.config.page_size, self.config.num_pages
+        lengths, rows = self.lengths, self.rows
+        is_cached = np.zeros(num_pages, dtype=bool)
+        is_cached[self.cached[cached_mask]] = True
+        owner: dict[int, int] = {}
+        cut = 0
+        for s in open_slots.tolist():
+            n = -(-int(lengths[s]) // ps)
+            for col, page in enumerate(rows[s, :n].tolist()):
+                if is_cached[page]:
+                    continue
+                if page in owner:
+                    lengths[s] = col * ps
+                    cut += 1
+                    break
+                owner[page] = s
+        if cut:
+            self.repaired.append(f"{cut} row(s) cut before a page another row holds")
+
+    # ---------------------------------------------------------------- install
+
+    def install(self, core: KVCore, prefix_cache: bool) -> Adoption:
+        config, ps = self.config, self.config.page_size
+        keep = self._chains() if prefix_cache else np.zeros(self.cached.size, dtype=bool)
+        if not prefix_cache and self.cached.size:
+            self.repaired.append(f"{self.cached.size} cached page(s) dropped: this server runs without a prefix cache")
+        open_slots = self._requests(keep)
+        lengths = self.lengths[open_slots]
+        need = (lengths + ps - 1) // ps
+        rows = self.rows[open_slots]
+        in_rows = rows[np.arange(rows.shape[1])[None, :] < need[:, None]]
+        ref = np.bincount(in_rows, minlength=config.num_pages)[: config.num_pages]
+        ref[0] = 0
+        owners = sorted((o, ns) for o, ns in self.owners.items())
+        next_owner = max([self.next_owner, *(o + 1 for o, _ in owners)])
+        free_slots = _keep_order(self.free_slots, np.setdiff1d(np.arange(1, config.max_requests + 1), open_slots))
+        core.slots.install(
+            owners, next_owner, open_slots, self.slot_owner[open_slots], lengths, rows,
+            [self.rids[s] for s in open_slots.tolist()], free_slots,
+        )  # fmt: skip
+        cached = self.cached[keep]
+        is_cached = np.zeros(config.num_pages, dtype=bool)
+        is_cached[cached] = True
+        held_by = self.held_by
+        bad_hold = (held_by != 0) & ((ref > 0) | is_cached)
+        if np.count_nonzero(bad_hold):
+            self.repaired.append(f"{int(np.count_nonzero(bad_hold))} quarantined page(s) in use or cached released")
+            held_by[bad_hold] = 0
+        held_by[0] = 0
+        free = np.flatnonzero((ref == 0) & ~is_cached & (held_by == 0))
+        free = free[free > 0].astype(np.int32)
+        core.pool.install(ref, _keep_order(self.free_pages, free[::-1]), int(np.count_nonzero(held_by)))
+        quarantine: dict[int, list[np.ndarray]] = {}
+        for owner in np.unique(held_by[held_by != 0]).tolist():
+            quarantine[int(owner)] = [np.flatnonzero(held_by == owner).astype(np.int32)]
+        core.install_quarantine(quarantine)
+        if cached.size:
+            order = np.argsort(self.lru[keep], kind="stable")
+            evictable = cached[order][ref[cached[order]] == 0]
+            kept = np.flatnonzero(keep)
+            core.cache.install(
+                cached, [self.key[i] for i in kept], [self.parent[i] for i in kept], self.depth[keep],
+                [str(self.ns[i]) for i in kept], self.tokens[keep], evictable.astype(np.int32),
+            )  # fmt: skip
+        return Adoption(
+            len(owners), int(open_slots.size), int(in_rows.size), int(cached.size),
+            int(np.count_nonzero(held_by)), tuple(self.repaired),
+        )  # fmt: skip
+
+
+def _keep_order(old: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """``old`` (a stack as it was) when it holds exactly the elements of ``want``, else ``want``."""
+    if old.size == want.size and np.array_equal(np.sort(old), np.sort(want)):
+        return old.astype(want.dtype)
+    return want
