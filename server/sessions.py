@@ -211,6 +211,24 @@ class Sessions:
         )  # fmt: skip
         return released
 
+    def end_adopted(self, why: str) -> None:
+        """An adopted core's owners have no session here (none resumes yet): end each
+        as a lapsed lease ends, its pages quarantined (its process may still write into
+        them), and keep the quarantines the last run left for as long again.
+        O(owners + their requests)."""
+        now = time.monotonic()
+        for owner in self.core.owner_ids():
+            requests = int(self.core.slots_of(owner).size)
+            self.num_pages_released += self.core.pages_held(owner)
+            self.core.remove_owner(owner, quarantine=True)
+            log.info("adopted owner ended index=%d why=%s requests_released=%d", owner, why, requests)
+        for owner in self.core.quarantine_owners():
+            held = self.core.quarantined_pages(owner)
+            self.quarantined[f"adopted-{owner}"] = Quarantine(
+                f"(adopted owner {owner})", OwnerId(owner), now + self.quarantine_s
+            )
+            log.info("adopted quarantine index=%d pages=%d for %.1fs", owner, held, self.quarantine_s)
+
     def expire(self, now: float | None = None) -> list[str]:
         """End every session idle for longer than the lease, its pages quarantined (its
         process may be stopped, not dead, and wake up to write into them); free the

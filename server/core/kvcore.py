@@ -130,6 +130,14 @@ class KVCore:
         for owner, hold in quarantine.items():
             self.pool.mark_held(owner, hold)
 
+    def owner_ids(self) -> list[int]:
+        """Every owner's index (an adopted core's are the last run's)."""
+        return list(self.slots.owners)
+
+    def quarantine_owners(self) -> list[int]:
+        """The owners whose quarantines hold pages."""
+        return list(self._quarantine)
+
     def has_owner(self, owner: int) -> bool:
         return owner in self.slots.owners
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import mmap
 import os
 import re
@@ -32,7 +33,7 @@ _ID_RE = r"(\d+-[0-9a-f]{16})"
 
 
 def _file_re(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}-{_ID_RE}(\.kv|\.bt|\.lock)$")
+    return re.compile(rf"^{re.escape(prefix)}-{_ID_RE}(\.kv|\.bt|\.st|\.lock)$")
 
 
 def _check_prefix(prefix: str) -> None:
@@ -73,6 +74,8 @@ def remove_stale(directory: str = "/dev/shm", prefix: str = "kvmem") -> list[str
     uid = os.getuid()
     removed: list[str] = []
     for server_id, files in sets.items():
+        if server_id.startswith(KEPT_PID):  # a kept state (--keep-state): only --discard-state removes it
+            continue
         lock_path = os.path.join(directory, f"{prefix}-{server_id}.lock")
         try:
             fd: int | None = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW)
@@ -106,13 +109,22 @@ def remove_stale(directory: str = "/dev/shm", prefix: str = "kvmem") -> list[str
     return removed
 
 
-def _close_shm_files(paths: tuple[str, ...], lock_fd: int, owner_pid: int) -> None:
-    """Finalizer of a :class:`ShmBackend`: unlink its files (lock last), drop the lock.
-    Only in the process that created them: a forked child exiting normally runs exit
-    hooks too, and must not remove the live server's files."""
+KEPT_PID = "0-"  # the "pid" part of a kept state's file names: ``{prefix}-0-{key}.*``
+
+
+def kept_key(*addresses: str | None) -> str:
+    """The 16 hex digits naming the kept state of a server listening at ``addresses``."""
+    return hashlib.sha256("|".join(a or "" for a in addresses).encode()).hexdigest()[:16]
+
+
+def _close_shm_files(paths: tuple[str, ...], lock_fd: int, owner_pid: int, keep: bool = False) -> None:
+    """Finalizer of a :class:`ShmBackend`: unlink its files (lock last; none when they
+    are a kept state), drop the lock. Only in the process that created them: a forked
+    child exiting normally runs exit hooks too, and must not remove the live server's
+    files."""
     if os.getpid() != owner_pid:
         return
-    for path in paths:
+    for path in () if keep else paths:
         _unlink_quietly(path)
     with contextlib.suppress(OSError):
         os.close(lock_fd)
@@ -182,6 +194,9 @@ class ShmBackend(MemoryBackend):
         reserve: bool = True,
         mode: int = 0o600,
         gid: int | None = None,
+        keep: str | None = None,
+        discard: bool = False,
+        state_bytes: int = 0,
     ) -> None:
         _check_prefix(prefix)
         if mode & ~0o660 or mode & 0o600 != 0o600:
@@ -194,26 +209,39 @@ class ShmBackend(MemoryBackend):
         remove_stale(directory, prefix)
 
         kv_bytes, bt_bytes = pool.kv_bytes, pool.block_table_bytes
-        self._needed = kv_bytes + bt_bytes
-        # Checked in both modes: refused before fallocate, which on a file system without
-        # native support would write its way to ENOSPC.
-        self._check_space(self._needed)
-
-        lock_fd, base = self._create_lock(directory, prefix)
+        self._needed = kv_bytes + bt_bytes + state_bytes
+        lock_fd, base = (
+            self._create_lock(directory, prefix) if keep is None else self._kept_lock(directory, prefix, keep)
+        )
         self.server_id = os.path.basename(base)[len(prefix) + 1 :]
         self.kv_path = base + ".kv"
         self.block_table_path = base + ".bt"
         self.lock_path = base + ".lock"
-        # Unlinked in this order: data first, the lock last (see remove_stale).
+        self.state_path = base + ".st" if keep is not None else None
+        sizes = {self.kv_path: kv_bytes, self.block_table_path: bt_bytes}
+        if self.state_path is not None:
+            sizes[self.state_path] = state_bytes
+        # Unlinked in this order: data first, the lock last (see remove_stale); a kept state never.
         self._finalizer = weakref.finalize(
-            self, _close_shm_files, (self.kv_path, self.block_table_path, self.lock_path), lock_fd, os.getpid()
+            self, _close_shm_files, (*sizes, self.lock_path), lock_fd, os.getpid(), keep is not None
         )
         try:
-            kv_map = self._create_and_map(self.kv_path, kv_bytes, reserve)
-            bt_map = self._create_and_map(self.block_table_path, bt_bytes, reserve)
+            self.adopted = keep is not None and not discard and self._kept_files(sizes)
+            if not self.adopted:
+                for path in sizes:  # a kept state discarded, or one half created before a crash
+                    if _unlink_quietly(path) and discard:
+                        log.warning("--discard-state: removed the kept %s", path)
+                # Checked in both modes: refused before fallocate, which on a file system without
+                # native support would write its way to ENOSPC.
+                self._check_space(self._needed)
+            maps = {path: self._map_existing(path, size) if self.adopted else self._create_and_map(path, size, reserve)
+                    for path, size in sizes.items()}  # fmt: skip
         except BaseException:
             self._finalizer()
             raise
+        kv_map, bt_map = maps[self.kv_path], maps[self.block_table_path]
+        # The state image's mapping (--keep-state): the core keeps its state there.
+        self.state: mmap.mmap | None = None if self.state_path is None else maps[self.state_path]
         # The KV bytes, flat (the server sizes them but never reads them); this array and
         # block_table keep the two mappings alive. None once closed.
         self._kv_raw: np.ndarray | None = np.frombuffer(kv_map, dtype=np.uint8)
@@ -250,6 +278,44 @@ class ShmBackend(MemoryBackend):
                 free = os.statvfs(self.directory).f_bavail * os.statvfs(self.directory).f_frsize
                 raise MemoryUnavailable(self._space_message(self._needed, free), self._needed, free) from None
             raise
+        try:
+            return _map_fd(fd, size)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _kept_lock(directory: str, prefix: str, key: str) -> tuple[int, str]:
+        """The lock of the kept state ``key``: taken, or refused while a running server
+        holds it (a live server's state is never adopted)."""
+        base = os.path.join(directory, f"{prefix}-{KEPT_PID}{key}")
+        fd = os.open(base + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(
+                f"the kept state {base}.* is in use by a running kvmem server: stop it first (one server per state)"
+            ) from None
+        return fd, base
+
+    def _kept_files(self, sizes: dict[str, int]) -> bool:
+        """Whether a whole kept state is there to adopt. A file of another size than
+        this pool's is refused (another geometry), naming both sizes."""
+        have = {path: os.stat(path).st_size for path in sizes if os.path.exists(path)}
+        if len(have) < len(sizes):
+            return False
+        differ = [f"{os.path.basename(p)} {have[p]} bytes (this pool's {n})" for p, n in sizes.items() if have[p] != n]
+        if differ:
+            raise GeometryError(
+                f"the kept state does not fit this pool: {', '.join(differ)}; start it with the geometry it was "
+                f"kept with, or with --discard-state to drop it"
+            )
+        return True
+
+    @staticmethod
+    def _map_existing(path: str, size: int) -> mmap.mmap:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             return _map_fd(fd, size)
         finally:

@@ -17,8 +17,10 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvmem.server.core import CoreConfig, KVCore
+from kvmem.server.core.adopt import Adoption, adopt, layout_for
 from kvmem.server.core.events import AllCleared, CacheEvent
 from kvmem.server.core.hashing import PageKeys
+from kvmem.server.core.image import CoreImage, ImageLayout, ImageMismatch
 from kvmem.server.edge.guard import Guard
 from kvmem.server.edge.handlers import add_guarded
 from kvmem.server.edge.service import KVMemoryService, add_to_server, geometry_to_proto, handle_to_proto
@@ -65,6 +67,8 @@ class KVMemServer:
         self.events: EventLog | None = None  # the prefix cache's events: WatchEvents' replay buffer
         self.zmq_publisher: Any = None  # kv_events_zmq.ZmqEventPublisher with --kv-events-zmq
         self._starting: grpc.aio.Server | None = None  # the gRPC server until start() succeeds
+        self._layout: ImageLayout | None = None  # the state image's, with --keep-state
+        self.adoption: Adoption | None = None  # what was adopted from the kept state
         self._socket_made = False  # start() may have created the unix socket file
 
     async def start(self) -> None:
@@ -75,6 +79,7 @@ class KVMemServer:
         created (socket file, shm files, metrics listener) before raising."""
         cfg = self.config
         core_cfg, pool, devices, metrics_at, page_keys = check_config(cfg)
+        self._layout = layout_for(core_cfg, page_keys, cfg.max_sessions) if cfg.keep_state else None
         try:
             await self._listen()
             self.memory = await self._allocate_waiting(pool, devices)
@@ -112,7 +117,7 @@ class KVMemServer:
         waited = False
         while True:
             try:
-                memory = allocate(cfg, pool, devices)
+                memory = allocate(cfg, pool, devices, 0 if self._layout is None else self._layout.size)
             except MemoryNotYet as exc:
                 left = deadline - loop.time()
                 if left <= 0:
@@ -199,17 +204,12 @@ class KVMemServer:
         service ready, the lease reaper, metrics, readiness SERVING."""
         cfg = self.config
         assert self.service is not None
-        core = KVCore(
-            core_cfg,
-            None if self.memory is None else self.memory.block_table,
-            audit_every_step=cfg.audit_every_step,
-            prefix_cache=cfg.prefix_cache,
-            page_keys=page_keys,
-            event_sink=self._publish_events,
-        )
+        core = self._core(core_cfg, page_keys)
         self.sessions = Sessions(
             core, cfg.lease_s, self.memory, quarantine_s=cfg.quarantine_s, max_sessions=cfg.max_sessions
         )
+        if self.adoption is not None:  # no session of the last run resumes (yet): their requests end, quarantined
+            self.sessions.end_adopted("adopted from the kept state")
         self.events = EventLog(
             self.sessions.epoch,
             core_cfg.page_size,
@@ -226,6 +226,36 @@ class KVMemServer:
             await self._start_metrics(*metrics_at)
         self._reaper = asyncio.create_task(self._reap_leases())
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    def _core(self, core_cfg: CoreConfig, page_keys: PageKeys) -> KVCore:
+        """The core over the memory's block table; with --keep-state, over the kept
+        state image: the last run's adopted (checked, repaired, logged) when there is
+        one, else a fresh one."""
+        cfg = self.config
+        block_table = None if self.memory is None else self.memory.block_table
+        options: dict[str, Any] = {"prefix_cache": cfg.prefix_cache, "page_keys": page_keys}
+        state = getattr(self.memory, "state", None)
+        if state is None or self._layout is None:
+            return KVCore(core_cfg, block_table, audit_every_step=cfg.audit_every_step, event_sink=self._publish_events,
+                          **options)  # fmt: skip
+        assert block_table is not None and self.memory is not None
+        if not getattr(self.memory, "adopted", False):
+            log.info("--keep-state: a new state in %s", self.memory.state_path)  # type: ignore[attr-defined]
+            return KVCore(core_cfg, block_table, audit_every_step=cfg.audit_every_step, event_sink=self._publish_events,
+                          image=CoreImage.create(state, self._layout), **options)  # fmt: skip
+        started = time.monotonic()
+        try:
+            core, self.adoption = adopt(
+                core_cfg, block_table, state, audit_every_step=cfg.audit_every_step, event_sink=self._publish_events,
+                max_owners=self._layout.max_owners, **options,
+            )  # fmt: skip
+        except ImageMismatch as exc:
+            raise StartupError(f"--keep-state: {exc} (--discard-state drops it)") from None
+        log.info(
+            "--keep-state: %s, in %.0f ms from %s", self.adoption.describe(), 1000 * (time.monotonic() - started),
+            self.memory.state_path,  # type: ignore[attr-defined]
+        )  # fmt: skip
+        return core
 
     def _publish_events(self, events: list[CacheEvent]) -> None:
         """The core's event sink: one mutating call's cache events into the event log

@@ -92,6 +92,24 @@ def add_parser(sub: Any, name: str = "serve") -> None:
     option(sessions, "--quarantine-ms", None, "how long the pages of a session whose lease lapsed while it was still "
          "connected stay out of use, unless its connection closes first (a stopped process may wake up and write "
          "into them); none: six leases", integer(0, "milliseconds"))  # fmt: skip
+    keep = sessions.add_argument(
+        "--keep-state",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="keep the pool's KV memory and its state (requests, the prefix cache, quarantines) in --shm-dir "
+        "across restarts of this server (the same --socket and --tcp): a crashed or stopped server's state is "
+        "adopted at start, checked and repaired, with its KV bytes; shm backend only (default: off; env "
+        "KVMEM_KEEP_STATE)",
+    )
+    setattr(keep, ENV_SPEC, ("KVMEM_KEEP_STATE", False, switch))
+    drop = sessions.add_argument(
+        "--discard-state",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="with --keep-state: drop a kept state instead of adopting it, and start empty (default: off; env "
+        "KVMEM_DISCARD_STATE)",
+    )
+    setattr(drop, ENV_SPEC, ("KVMEM_DISCARD_STATE", False, switch))
     option(sessions, "--drain-ms", 1000, "after SIGTERM (readiness NOT_SERVING, no new sessions), how long attached "
          "sessions may go on stepping before the server ends them; it stops sooner once all have detached",
          integer(0, "milliseconds"))  # fmt: skip
@@ -233,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         audit_every_step=args.debug_audit,
         prefix_cache=not args.no_prefix_cache,
+        keep_state=args.keep_state,
+        discard_state=args.discard_state,
         prefix_hash=args.prefix_hash,
         prefix_hash_seed=args.prefix_hash_seed,
         kv_events_buffer=args.kv_events_buffer,

@@ -29,6 +29,7 @@ from kvmem.server.memory import (
     pages_for_budget,
     parse_size,
 )
+from kvmem.server.memory.shm import kept_key
 from kvmem.server.process.tls import ServerTLS, TLSConfigError
 from kvmem.server.process.tls import load as load_tls
 
@@ -86,6 +87,8 @@ class ServerConfig:
     rope_dim: int = 64
     dtype: str = "bfloat16"
     audit_every_step: bool = False  # the full audit after every step (tests, debugging)
+    keep_state: bool = False  # keep the KV memory and the core's state across restarts (shm)
+    discard_state: bool = False  # with keep_state: drop a kept state instead of adopting it
     # The prefix cache and its events.
     prefix_cache: bool = True
     prefix_hash: str = "xxh3-128"  # the page-key recipe (kvmem.server.core.hashing.RECIPES)
@@ -154,8 +157,9 @@ def cuda_backend(cfg: ServerConfig) -> type[CudaBackend]:
     return CudaBackend
 
 
-def allocate(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ...]) -> MemoryBackend | None:
-    """The KV memory of a planned pool (shm files or GPU allocations), or None for --device none."""
+def allocate(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ...], state_bytes: int = 0) -> MemoryBackend | None:
+    """The KV memory of a planned pool (shm files or GPU allocations), or None for --device none;
+    with --keep-state, the kept state's files (``state_bytes``: the core's state image)."""
     if cfg.device == "none" and not devices:
         return None
     try:
@@ -165,8 +169,12 @@ def allocate(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ...]) -> Mem
                 return backend(pool, devices)
             except RuntimeError as exc:  # no CUDA, a CUDA error: name the option that asked for it
                 raise StartupError(f"{_device_option(cfg)}: {exc}") from None
+        keep = kept_key(cfg.socket_path, cfg.tcp) if cfg.keep_state else None
         try:
-            return ShmBackend(pool, cfg.shm_dir, mode=cfg.socket_mode, gid=access_gid(cfg))
+            return ShmBackend(
+                pool, cfg.shm_dir, mode=cfg.socket_mode, gid=access_gid(cfg), keep=keep,
+                discard=cfg.discard_state, state_bytes=state_bytes,
+            )  # fmt: skip
         except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
             raise StartupError(f"--shm-dir {cfg.shm_dir}: {exc}") from None
     except MemoryUnavailable as exc:
@@ -362,6 +370,13 @@ def check_config(
     core_cfg, pool, devices = _plan_pool(cfg)
     if devices:
         cuda_backend(cfg)  # torch importable: refused here, before anything is created
+    if cfg.discard_state and not cfg.keep_state:
+        raise StartupError("--discard-state drops a state --keep-state kept: give both, or neither")
+    if cfg.keep_state and (devices or cfg.device != "cpu"):
+        raise StartupError(
+            f"--keep-state keeps the KV memory in --shm-dir (--device cpu); {_device_option(cfg)}'s memory cannot "
+            "outlive the process (a CUDA allocation dies with the process that made it: docs/DESIGN.md, Shutdown)"
+        )
     if cfg.device == "cpu" and not devices:
         if not os.path.isdir(cfg.shm_dir):
             raise StartupError(f"--shm-dir {cfg.shm_dir}: no such directory")

@@ -125,7 +125,10 @@ def test_serve_help_names_every_option_with_its_default_and_env_var() -> None:
     run = kvmem("serve", "--help")
     assert run.returncode == 0, run.stderr
     entries = option_entries(run.stdout)
-    assert set(entries) == {"-h", "--version", "--debug-audit", "--no-prefix-cache", *SERVE_OPTIONS}, sorted(entries)
+    switches = {"--debug-audit", "--no-prefix-cache", "--keep-state", "--discard-state"}
+    assert set(entries) == {"-h", "--version", *switches, *SERVE_OPTIONS}, sorted(entries)
+    for flag in ("--keep-state", "--discard-state"):
+        assert f"(default: off; env {env_name(flag)})" in entries[flag], entries[flag]
     for flag, default in SERVE_OPTIONS.items():
         assert f"(default: {default}; env {env_name(flag)})" in entries[flag], entries[flag]
     assert "(default: off; env KVMEM_DEBUG)" in entries["--debug-audit"], entries["--debug-audit"]

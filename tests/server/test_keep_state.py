@@ -1,0 +1,164 @@
+"""``kvmem serve --keep-state``: a server killed (SIGKILL) or stopped (SIGTERM) comes back
+with its KV memory and its state: the prefix cache's pages with their K/V bytes, and
+the requests of clients still attached, which no session resumes yet (they are ended as
+a lapsed lease ends them: quarantined, then freed). Real servers, real client processes,
+a private ``--shm-dir`` each. Refusals: another geometry (unless ``--discard-state``),
+a state a running server holds, ``--keep-state`` off the shm backend, ``--discard-state``
+alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import short_tmpdir, start_server
+
+from kvmem.client import KVMemClient
+from kvmem.server.memory import PoolSpec
+from kvmem.server.memory.geometry import KVGeometry
+from kvmem.server.memory.shm import ShmBackend
+
+PROMPT = np.arange(1000, 1064, dtype=np.int32)  # 4 pages of 16
+FLAGS = ("--num-pages", "64", "--max-context", "512", "--dtype", "float32", "--lease-ms", "3000")
+
+# A client process: caches PROMPT (its K/V: the position, in every element), opens a
+# request of 20 tokens that it keeps, says so and waits (alive through the server's crash).
+HOLDER = textwrap.dedent(
+    """
+    import sys, time, numpy as np, torch
+    from kvmem.client import KVMemClient
+    kv = KVMemClient(sys.argv[1], name="holder", cache_namespace="ns")
+    a, b = kv.open(["a", "b"]).tolist()
+    r = kv.step(alloc_slots=[a, b], alloc_needs=[64, 20])
+    assert r.ok, r
+    for k, v in kv.kv_cache():
+        loc = r.kv_loc_of(0).long()
+        k[loc] = torch.arange(64, dtype=k.dtype)[:, None, None].expand(64, *k.shape[1:])
+        v[loc] = -k[loc]
+    kv.step(release_slots=[a], release_token_ids=[np.arange(1000, 1064, dtype=np.int32)])
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def serve(directory: str, *extra: str) -> object:
+    return start_server(directory, "--keep-state", "--shm-dir", directory, *FLAGS, *extra)
+
+
+def kept_files(directory: str) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith("kvmem-0-"))
+
+
+def read_back(target: str) -> tuple[list[int], bool]:
+    """A new client matches PROMPT (all but its last token) and reads its K/V through
+    the block table: the match lengths, and whether every value is what HOLDER wrote."""
+    with KVMemClient(target, name="reader", cache_namespace="ns") as kv:
+        (c,) = kv.open(["c"]).tolist()
+        r = kv.step(match=[(c, PROMPT, 63)], alloc_slots=[c], alloc_needs=[64])
+        assert r.ok, r
+        ps = kv.geometry.page_size
+        row = kv.block_table[c].tolist()
+        loc = torch.tensor([row[p // ps] * ps + p % ps for p in range(48)])
+        want = torch.arange(48, dtype=torch.float32)[:, None, None]
+        ok = all(bool((k[loc] == want).all() and (v[loc] == -want).all()) for k, v in kv.kv_cache())
+        return r.match_lens.tolist(), ok
+
+
+def test_a_killed_server_comes_back_with_its_prefix_cache_kv_bytes_and_quarantines() -> None:
+    directory = short_tmpdir()
+    srv = serve(directory, "--quarantine-ms", "1500")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, srv.target], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
+        assert len(kept_files(directory)) == 4, os.listdir(directory)  # kv, bt, st, lock
+        again = serve(directory, "--quarantine-ms", "1500")
+        log = again.log()
+        assert "--keep-state: adopted 1 owners, 1 open requests holding 2 pages, 4 cached pages" in log, log
+        assert "nothing to repair" in log and "adopted owner ended index=1" in log, log
+        matched, same = read_back(again.target)
+        assert matched == [48] and same, (matched, same)
+        with KVMemClient(again.target, name="look") as kv:
+            assert kv.stats().num_quarantined_pages == 2  # b's 20 tokens: its pages wait, the holder may write
+            deadline = time.monotonic() + 20
+            while kv.stats().num_quarantined_pages and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert kv.stats().num_quarantined_pages == 0, "the adopted quarantine never ended"
+        assert again.stop() == 0, again.log()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(kept_files(directory)) == 4  # a clean stop keeps the state too
+
+
+def test_a_stopped_server_keeps_its_state_and_the_next_adopts_it() -> None:
+    directory = short_tmpdir()
+    srv = serve(directory)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, srv.target], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        assert srv.stop() == 0, srv.log()
+    finally:
+        holder.kill()
+        holder.wait()
+    again = serve(directory)
+    assert "4 cached pages" in again.log(), again.log()
+    assert read_back(again.target) == ([48], True)
+    assert again.stop() == 0
+
+
+def test_another_geometry_is_refused_unless_the_state_is_discarded() -> None:
+    directory = short_tmpdir()
+    srv = serve(directory)
+    with KVMemClient(srv.target, name="w", cache_namespace="ns") as kv:
+        (a,) = kv.open(["a"]).tolist()
+        assert kv.step(alloc_slots=[a], alloc_needs=[64]).ok
+        kv.step(release_slots=[a], release_token_ids=[PROMPT])
+    assert srv.stop() == 0
+    args = ["--keep-state", "--shm-dir", directory, *FLAGS[2:], "--num-pages", "80", "--socket", srv.socket_path]
+    refused = subprocess.run([sys.executable, "-m", "kvmem.cli", "serve", *args], capture_output=True, text=True)
+    assert refused.returncode != 0
+    assert "the kept state does not fit this pool" in refused.stderr and "--discard-state" in refused.stderr
+    assert len(kept_files(directory)) == 4  # left as it was
+    fresh = start_server(directory, *args[:-2], "--discard-state")
+    assert "--discard-state: removed the kept" in fresh.log() and "a new state in" in fresh.log(), fresh.log()
+    with KVMemClient(fresh.target, name="w", cache_namespace="ns") as kv:
+        assert kv.stats().num_cached_pages == 0
+    assert fresh.stop() == 0
+
+
+def test_a_state_a_running_server_holds_is_never_adopted() -> None:
+    directory = short_tmpdir()
+    geometry = KVGeometry("mha", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
+    pool = PoolSpec(geometry, num_pages=8, max_requests=4, max_context_len=16)
+    first = ShmBackend(pool, directory, keep="00112233aabbccdd", state_bytes=4096)
+    with pytest.raises(RuntimeError, match="is in use by a running kvmem server"):
+        ShmBackend(pool, directory, keep="00112233aabbccdd", state_bytes=4096)
+    first.close()
+    second = ShmBackend(pool, directory, keep="00112233aabbccdd", state_bytes=4096)
+    assert second.adopted and second.state is not None
+    second.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (("--keep-state", "--device", "none"), "--keep-state keeps the KV memory in --shm-dir"),
+        (("--discard-state",), "--discard-state drops a state --keep-state kept"),
+    ],
+)
+def test_keep_state_options_that_cannot_work_are_refused(extra: tuple[str, ...], words: str) -> None:
+    directory = short_tmpdir()
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmem.cli", "serve", "--socket", os.path.join(directory, "s"), *extra],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode != 0 and words in run.stderr, run.stderr
