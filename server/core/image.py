@@ -45,6 +45,7 @@ MAX_NAMESPACES = 4096
 _ALIGN = 64
 _HEADER_INTS = ("version", "num_pages", "page_size", "max_requests", "width", "key_bytes", "max_owners")
 _STATE_INTS = ("writer_pid", "num_free_pages", "num_free_slots", "next_owner", "num_namespaces", "clean")
+_STATE_AT = {name: len(_HEADER_INTS) + i for i, name in enumerate(_STATE_INTS)}
 
 
 class ImageMismatch(ValueError):
@@ -180,10 +181,15 @@ class CoreImage:
         return image
 
     def get(self, name: str) -> int:
-        return int(self.ints[len(_HEADER_INTS) + _STATE_INTS.index(name)])
+        return int(self.ints[_STATE_AT[name]])
 
     def set(self, name: str, value: int) -> None:
-        self.ints[len(_HEADER_INTS) + _STATE_INTS.index(name)] = value
+        self.ints[_STATE_AT[name]] = value
+
+    def counter(self, name: str) -> np.ndarray:
+        """A one-element view of a header number, for a hot path to write (``[0] = n``)."""
+        at = _STATE_AT[name]
+        return self.ints[at : at + 1]
 
     def writer_alive(self) -> bool:
         """Whether the process that wrote the image last is alive (not this one)."""

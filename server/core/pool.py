@@ -36,9 +36,11 @@ class PagePool:
         self._image = image  # the free stack and the quarantines' pages live there (see .image)
         # Descending, so the first pages handed out are 1, 2, 3, ... (readable in tests).
         self._free = np.arange(num_pages - 1, 0, -1, dtype=np.int32) if image is None else image.free_pages
+        self._image_free: np.ndarray | None = None  # the image's count of free pages (a view)
         if image is not None:
             self._free[: num_pages - 1] = np.arange(num_pages - 1, 0, -1, dtype=np.int32)
-            image.set("num_free_pages", num_pages - 1)
+            self._image_free = image.counter("num_free_pages")
+            self._image_free[0] = num_pages - 1
         self._num_free = num_pages - 1
         self.num_quarantined = 0
         self.cache: PrefixCache | None = None  # set by the core when the prefix cache is on
@@ -67,8 +69,8 @@ class PagePool:
             return self._take_evicting(num)
         pages = self._free[top - num : top][::-1].copy()
         self._num_free = top - num
-        if self._image is not None:
-            self._image.set("num_free_pages", top - num)
+        if self._image_free is not None:
+            self._image_free[0] = top - num
         self._words.word[pages] = 1  # count 1, stamp cleared
         return pages
 
@@ -81,8 +83,8 @@ class PagePool:
         evicted = self.cache.evict(num - top)
         pages = np.concatenate((self._free[:top][::-1], evicted)) if top else evicted
         self._num_free = 0
-        if self._image is not None:
-            self._image.set("num_free_pages", 0)
+        if self._image_free is not None:
+            self._image_free[0] = 0
         self._words.word.put(pages, 1)
         return pages
 
@@ -188,8 +190,8 @@ class PagePool:
         top = self._num_free
         self._free[top : top + freed.size] = freed
         self._num_free = top + freed.size
-        if self._image is not None:
-            self._image.set("num_free_pages", self._num_free)
+        if self._image_free is not None:
+            self._image_free[0] = self._num_free
         return int(freed.size)
 
     def release_held(self, hold: list[np.ndarray]) -> int:

@@ -163,3 +163,14 @@ def test_engine_bench_runs_and_its_contenders_complete_alike() -> None:
     assert "completions differing between contenders: none" in out, out
     for line in ("engine / generate_batch = ", "kvmem's share of an engine iteration = "):
         assert line in out, out
+
+
+@pytest.mark.timeout(180)
+def test_state_bench_runs_and_the_adopted_state_equals_the_kept_one() -> None:
+    """--quick: both parts; the benchmark checks the adopted core against the one it
+    took over (rows, lengths, counts, the cache index, free pages) and exits 2 if not."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "state_bench.py"), "--quick"], capture_output=True, text=True, timeout=170, env=ENV
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "nothing to repair" in proc.stdout and "decode: with the image / without = " in proc.stdout, proc.stdout
