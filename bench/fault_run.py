@@ -78,6 +78,7 @@ import pathlib
 import platform
 import queue
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -109,6 +110,25 @@ class RunFailed(Exception):
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def adoptions(log_paths: list[str]) -> dict[str, Any]:
+    """What the servers' ``--keep-state`` lines say: how many starts adopted a state,
+    how many of those repaired something (and what), the longest adoption."""
+    adopted, repaired, ms, what = 0, 0, [], []
+    for path in log_paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if "--keep-state: adopted" not in line:
+                    continue
+                adopted += 1
+                if "nothing to repair" not in line:
+                    repaired += 1
+                    what.append(line.split("repaired: ", 1)[-1].split(", in ")[0].strip())
+                found = re.search(r", in (\d+) ms from", line)
+                if found:
+                    ms.append(int(found.group(1)))
+    return {"adopted": adopted, "repaired": repaired, "ms_max": max(ms) if ms else None, "repairs": what}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -162,6 +182,7 @@ class Server:
             "--max-requests", str(args.max_requests), "--max-context", str(args.max_context),
             "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32",
             "--lease-ms", str(args.lease_ms), "--quarantine-ms", str(args.quarantine_ms),
+            *(["--keep-state"] if args.keep_state else []),
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
         self.runs = 0
@@ -837,6 +858,7 @@ def build_report(run: Run, args: argparse.Namespace, phase: dict[str, Any], end:
         "kills": len(run.kills),
         "stops": len(run.stops),
         "restarts": len(run.restarts),
+        "adoptions": adoptions(run.server.log_paths),
         "skipped_faults": run.skipped_faults,
         "pages_lost": final["pages_lost"],
         "final": final,
@@ -959,6 +981,9 @@ def print_report(r: dict[str, Any], out: TextIO) -> None:
         ["  resumed: nothing seen", f"{oc.get('none seen', 0)}", "-", "info"],
         ["server restarts (all workers back p50/max)",
          f"{r['restarts']} ({ms(r['restart_all_back_s']['p50'])} / {ms(r['restart_all_back_s']['max'])})", "-",
+         "info"],
+        ["  adopted the killed server's state (--keep-state; repaired)",
+         f"{r['adoptions']['adopted']} ({r['adoptions']['repaired']}; {r['adoptions']['ms_max']} ms at most)", "-",
          "info"],
         ["calls / steps per second", f"{r['rates']['calls_per_s']:,.0f} / {r['rates']['steps_per_s']:,.0f}", "-",
          "info"],
@@ -1104,6 +1129,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="workers stopped when the server gets its final SIGTERM (default: %(default)s)",
     )
     s = p.add_argument_group("the server")
+    s.add_argument(
+        "--keep-state",
+        action="store_true",
+        help="run the server with --keep-state: each restart adopts the killed server's state (checked, repaired, "
+        "audited at start; the report counts the adoptions and repairs)",
+    )
     s.add_argument("--lease-ms", type=int, default=1000, metavar="MS", help="the server's lease (default: %(default)s)")
     s.add_argument(
         "--quarantine-ms",
