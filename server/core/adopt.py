@@ -86,13 +86,12 @@ def adopt(
 ) -> tuple[KVCore, Adoption]:
     """A core over the image in ``buffer`` and ``block_table`` (the previous process's),
     with its state: see the module's docstring. :class:`ImageMismatch` names what does
-    not fit (another geometry or version, not an image, a writer still alive); nothing
-    is changed then."""
+    not fit (another geometry or version, not an image); nothing is changed then. The
+    caller makes sure no process writes the image any more (the server: the kept
+    state's lock, which a running server holds; a pid would not do, pids are reused)."""
     keys = page_keys or XXH3Keys()
     layout = layout_for(config, keys, max_owners)
     old = CoreImage.open(buffer, layout)
-    if old.writer_alive():
-        raise ImageMismatch(f"the state image is in use: process {old.get('writer_pid')}, which wrote it, is running")
     if block_table.shape != config.block_table_shape:
         raise ImageMismatch(
             f"the block table is {block_table.shape}, the image's geometry needs {config.block_table_shape}"

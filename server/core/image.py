@@ -23,8 +23,8 @@ before its ``cached`` flag is set, and its flag is cleared before it is handed o
 a request's id is written before its owner, its row before its length grows, and a
 shrinking row is zeroed before its length drops (adoption trims a length its row does
 not cover); pages are let go only after that, so a page freed in a Step is in no row
-when an alloc of the same Step takes it. The header's ``writer_pid`` names the process that wrote last; an
-image whose writer is alive is never adopted.
+when an alloc of the same Step takes it. The header's ``writer_pid`` names the process
+that created or adopted it (for the logs: a pid is no proof of life, pids are reused).
 """
 
 from __future__ import annotations
@@ -190,19 +190,6 @@ class CoreImage:
         """A one-element view of a header number, for a hot path to write (``[0] = n``)."""
         at = _STATE_AT[name]
         return self.ints[at : at + 1]
-
-    def writer_alive(self) -> bool:
-        """Whether the process that wrote the image last is alive (not this one)."""
-        pid = self.get("writer_pid")
-        if pid <= 0 or pid == os.getpid():
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
     # ------------------------------------------------------------- namespaces
 

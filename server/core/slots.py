@@ -104,21 +104,26 @@ class RequestTable:
         """A new owner's index. O(max_requests) numpy, once: the slot words its slots
         will hold, which every slot check compares with."""
         index = OwnerId(self._next_owner)
+        self._make_owner(index, namespace)
         self._next_owner += 1
-        self.owners[index] = Owner(index, StampedWords.expected(index, self._words.order_size), namespace=namespace)
+        if self._image is not None:
+            self._image.set("next_owner", self._next_owner)
+        return index
+
+    def _make_owner(self, index: OwnerId, namespace: str) -> None:
+        """The owner ``index``, with its record in the image when there is one."""
+        state = Owner(index, StampedWords.expected(index, self._words.order_size), namespace=namespace)
         image = self._image
         if image is not None:
             if not self._records:
-                del self.owners[index]
                 raise KVMemError(
                     Reason.TOO_MANY_SESSIONS,
                     f"the state image holds {image.layout.max_owners} owners at once, all in use",
                 )
-            record = self.owners[index].record = self._records.pop()
-            image.owner_ns[record] = image.namespace_id(namespace)
-            image.owner_id[record] = index
-            image.set("next_owner", self._next_owner)
-        return index
+            state.record = self._records.pop()
+            image.owner_ns[state.record] = image.namespace_id(namespace)
+            image.owner_id[state.record] = index
+        self.owners[index] = state
 
     def install(
         self,
@@ -135,11 +140,9 @@ class RequestTable:
         namespace)``, open ``slots`` with their owners, lengths, rows and ids, and the
         free slot stack (the top last). The pool's counts are installed apart. O(n *
         width), once."""
-        self._next_owner = next_owner
         for index, namespace in owners:
-            self._next_owner, keep = index, self._next_owner
-            self.add_owner(namespace)
-            self._next_owner = keep
+            self._make_owner(OwnerId(index), namespace)
+        self._next_owner = next_owner
         if self._image is not None:
             self._image.set("next_owner", next_owner)
         if slots.size:
@@ -228,7 +231,7 @@ class RequestTable:
                 free=top,
             )
         if k:
-            taken = self._free[top - k : top][::-1].copy()
+            taken = self._free[top - k : top][::-1]
             self.num_free = top - k
             if self._image is not None:  # the ids first: a slot with an owner has its id
                 self._image.write_request_ids(taken, list(new_ids))
