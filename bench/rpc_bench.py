@@ -232,7 +232,8 @@ class Servers(ServerProcesses):
     """The kvmem server and the echo server, as subprocesses on short socket paths
     under /tmp."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, keep_state: bool = False) -> None:
+        self.keep_state = keep_state
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="kvb", dir="/tmp"))
         self.kv_socket = str(self.dir / "kv.sock")
         self.echo_socket = str(self.dir / "echo.sock")
@@ -250,6 +251,7 @@ class Servers(ServerProcesses):
             "--max-requests", str(RPC_MAX_REQUESTS),
             "--max-context", str(MAX_CONTEXT_LEN),
             "--log-level", "warning",
+            *(["--keep-state"] if self.keep_state else []),
         ]  # fmt: skip
         echo_cmd = [sys.executable, str(BENCH_DIR / "_echo_server.py"), "--socket", self.echo_socket]
         for name, cmd in (("kvmem", kv_cmd), ("echo", echo_cmd)):
@@ -259,6 +261,15 @@ class Servers(ServerProcesses):
                 self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env)
         self._wait_ready("kvmem", self.kv_socket, KVMEM_SERVICE)
         self._wait_ready("echo", self.echo_socket, ECHO_SERVICE)
+
+    def stop(self) -> dict[str, int | None]:
+        codes = super().stop()
+        if self.keep_state:  # the kept state of this run's socket: removed, it is of no use to anyone
+            from kvmem.server.memory.shm import kept_key
+
+            for path in pathlib.Path("/dev/shm").glob(f"kvmem-0-{kept_key(self.kv_socket, None)}.*"):
+                path.unlink(missing_ok=True)
+        return codes
 
     def _wait_ready(self, name: str, socket_path: str, service: str, timeout_s: float = 60.0) -> None:
         import grpc
@@ -1037,6 +1048,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="emit the figures and machine info as one JSON object: on stdout instead of "
                         "the table, or into PATH with the table still printed")  # fmt: skip
     parser.add_argument("--strict", action="store_true", help="exit 1 if any target is missed")
+    parser.add_argument(
+        "--keep-state",
+        action="store_true",
+        help="run the kvmem server with --keep-state (its kept state in /dev/shm, removed at the end)",
+    )
     args = parser.parse_args(argv)
     if (args.reps < 1 or args.warmup < 0 or args.duration < 0 or args.truncate_every < 1 or args.ref_every < 1
             or args.blocks < 1):  # fmt: skip
@@ -1063,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    servers = Servers(NUM_PAGES)
+    servers = Servers(NUM_PAGES, keep_state=args.keep_state)
     workers = None
     thr = None
     try:
