@@ -75,12 +75,14 @@ def read_back(target: str) -> tuple[list[int], bool]:
 def test_a_killed_server_comes_back_with_its_prefix_cache_kv_bytes_and_quarantines() -> None:
     directory = short_tmpdir()
     srv = serve(directory, "--quarantine-ms", "1500")
+    servers = [srv]
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, srv.target], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
         assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
         assert len(kept_files(directory)) == 4, os.listdir(directory)  # kv, bt, st, lock
         again = serve(directory, "--quarantine-ms", "1500")
+        servers.append(again)
         log = again.log()
         assert "--keep-state: adopted 1 owners, 1 open requests holding 2 pages, 4 cached pages" in log, log
         assert "nothing to repair" in log and "adopted owner ended index=1" in log, log
@@ -96,6 +98,8 @@ def test_a_killed_server_comes_back_with_its_prefix_cache_kv_bytes_and_quarantin
     finally:
         holder.kill()
         holder.wait()
+        for server in servers:  # a failed assertion leaves no server behind
+            server.stop(signal.SIGKILL)
     assert len(kept_files(directory)) == 4  # a clean stop keeps the state too
 
 
@@ -110,9 +114,11 @@ def test_a_stopped_server_keeps_its_state_and_the_next_adopts_it() -> None:
         holder.kill()
         holder.wait()
     again = serve(directory)
-    assert "4 cached pages" in again.log(), again.log()
-    assert read_back(again.target) == ([48], True)
-    assert again.stop() == 0
+    try:
+        assert "4 cached pages" in again.log(), again.log()
+        assert read_back(again.target) == ([48], True)
+    finally:
+        assert again.stop() == 0
 
 
 def test_another_geometry_is_refused_unless_the_state_is_discarded() -> None:
@@ -129,10 +135,12 @@ def test_another_geometry_is_refused_unless_the_state_is_discarded() -> None:
     assert "the kept state does not fit this pool" in refused.stderr and "--discard-state" in refused.stderr
     assert len(kept_files(directory)) == 4  # left as it was
     fresh = start_server(directory, *args[:-2], "--discard-state")
-    assert "--discard-state: removed the kept" in fresh.log() and "a new state in" in fresh.log(), fresh.log()
-    with KVMemClient(fresh.target, name="w", cache_namespace="ns") as kv:
-        assert kv.stats().num_cached_pages == 0
-    assert fresh.stop() == 0
+    try:
+        assert "--discard-state: removed the kept" in fresh.log() and "a new state in" in fresh.log(), fresh.log()
+        with KVMemClient(fresh.target, name="w", cache_namespace="ns") as kv:
+            assert kv.stats().num_cached_pages == 0
+    finally:
+        assert fresh.stop() == 0
 
 
 def test_a_state_a_running_server_holds_is_never_adopted() -> None:
