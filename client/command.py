@@ -210,6 +210,7 @@ def _table(s: Any) -> str:
         f"   quarantined {s.num_quarantined_pages} (of {s.num_quarantined_sessions} lapsed sessions)",
         f"request slots open {s.num_open_requests}   free {s.num_free_request_slots}",
         _prefix_line(s),
+        _origin_line(s.origin),
     ]
     if s.audit.ran:
         lines.append("audit OK" if s.audit.ok else "audit FAILED: " + "; ".join(s.audit.problems))
@@ -232,6 +233,20 @@ def _table(s: Any) -> str:
 
 
 DEFAULT_NAMESPACE = "(default)"  # how the table shows the shared default namespace, ""
+
+
+def _origin_line(o: Any) -> str:
+    """Where the run's state came from (kvmem serve --keep-state), in one line."""
+    if o.kind == "adopted":
+        repaired = "; ".join(o.repaired) if o.repaired else "nothing"
+        return (
+            f"state adopted from the last run in {o.adopt_ms:.0f} ms: {o.owners} owners, {o.requests} requests "
+            f"({o.pages_in_rows} pages), {o.cached_pages} cached pages, {o.quarantined_pages} quarantined; "
+            f"repaired: {repaired}"
+        )
+    if o.kind == "new":
+        return "state kept for the next run (--keep-state): new in this run"
+    return "state not kept (a restart starts empty; kvmem serve --keep-state keeps it)"
 
 
 def _prefix_line(s: Any) -> str:

@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from kvmem.server.core import AllocStatus, AuditReport, KVCore, OwnerId, PoolStats, StepBatch, StepResult
+from kvmem.server.core.adopt import Adoption
 from kvmem.server.errors import KVMemError, Reason
 
 log = logging.getLogger("kvmem.sessions")
@@ -89,6 +90,18 @@ class ServerStats:
     uptime_s: float
     prefix_cache_enabled: bool = False
     prefix_hash: str = ""  # the page-key recipe's name
+    origin: StateOrigin | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateOrigin:
+    """Where the run's state came from (see ``StateOrigin`` in the proto): ``kind``
+    "fresh", "new" or "adopted"; ``adoption``, what was adopted (None otherwise), in
+    ``adopt_ms``."""
+
+    kind: str
+    adoption: Adoption | None = None
+    adopt_ms: float = 0.0
 
 
 class Sessions:
@@ -121,6 +134,7 @@ class Sessions:
         # How long a lapsed session's pages stay out of use (default: six leases).
         self.quarantine_s = QUARANTINE_LEASES * lease_s if quarantine_s is None else quarantine_s
         self.quarantined: dict[str, Quarantine] = {}  # by session id
+        self.origin = StateOrigin("new" if core.image is not None else "fresh")  # the server sets an adoption's
         self._sync_memory = memory if memory is not None and memory.syncs_rows else None
         self.by_id: dict[str, Session] = {}
         self._started = time.monotonic()
@@ -305,8 +319,9 @@ class Sessions:
         audit_report = core.audit() if audit else None
         uptime = time.monotonic() - self._started
         return ServerStats(
-            pool, tuple(rows), audit_report, self.num_steps, uptime, core.prefix_enabled, core.page_keys.name
-        )
+            pool, tuple(rows), audit_report, self.num_steps, uptime, core.prefix_enabled, core.page_keys.name,
+            self.origin,
+        )  # fmt: skip
 
 
 def _redact(session_id: str) -> str:

@@ -24,7 +24,7 @@ from kvmem.server.core import CoreConfig, StepBatch, StepResult
 from kvmem.server.core.batch import TokenLists
 from kvmem.server.errors import ErrorKind, KVMemError, Reason
 from kvmem.server.memory import HandleInfo, KVGeometry
-from kvmem.server.sessions import ServerStats
+from kvmem.server.sessions import ServerStats, StateOrigin
 from kvmem.v1 import kvmem_pb2
 
 ERROR_DOMAIN = "kvmem.v1"
@@ -325,4 +325,17 @@ def stats_response(
         prefix_cache_enabled=stats.prefix_cache_enabled,
         prefix_hash=stats.prefix_hash,
         num_cache_entries=pool.num_cache_entries,
+        origin=_origin(stats.origin),
     )
+
+
+def _origin(origin: StateOrigin | None) -> kvmem_pb2.StateOrigin:
+    if origin is None:
+        return kvmem_pb2.StateOrigin(kind="fresh")
+    out = kvmem_pb2.StateOrigin(kind=origin.kind, adopt_ms=origin.adopt_ms)
+    a = origin.adoption
+    if a is not None:
+        out.owners, out.requests, out.pages_in_rows = a.owners, a.requests, a.pages_in_rows
+        out.cached_pages, out.quarantined_pages = a.cached_pages, a.quarantined_pages
+        out.repaired.extend(a.repaired)
+    return out

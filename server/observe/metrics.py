@@ -210,6 +210,23 @@ class KVMemCollector(Collector):
     def _totals(self, stats: ServerStats) -> Iterator[Metric]:
         sessions = self.sessions
         yield GaugeMetricFamily("kvmem_uptime_seconds", "Seconds since the server started.", stats.uptime_s)
+        origin = GaugeMetricFamily(
+            "kvmem_state_origin", "Where this run's state came from (1 for its kind: fresh, new or adopted).",
+            labels=["kind"],
+        )  # fmt: skip
+        kind = stats.origin.kind if stats.origin is not None else "fresh"
+        for name in ("fresh", "new", "adopted"):
+            origin.add_metric([name], float(name == kind))
+        yield origin
+        adopted = stats.origin.adoption if stats.origin is not None else None
+        yield GaugeMetricFamily(
+            "kvmem_state_adopted_requests", "Open requests adopted from the last run's kept state.",
+            0 if adopted is None else adopted.requests,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvmem_state_repairs", "Repairs adoption made to the last run's kept state (kinds of repair).",
+            0 if adopted is None else len(adopted.repaired),
+        )  # fmt: skip
         yield CounterMetricFamily("kvmem_steps", "Steps applied (valid Step calls).", stats.num_steps)
         yield CounterMetricFamily("kvmem_pages_allocated", "Pages handed out by steps.", sessions.num_pages_allocated)
         yield CounterMetricFamily(

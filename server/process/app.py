@@ -38,7 +38,7 @@ from kvmem.server.process.startup import (
     plan_tls,
 )
 from kvmem.server.process.tuning import keep_freed_memory
-from kvmem.server.sessions import Sessions
+from kvmem.server.sessions import Sessions, StateOrigin
 from kvmem.v1 import kvmem_pb2
 
 log = logging.getLogger("kvmem.server")
@@ -69,6 +69,7 @@ class KVMemServer:
         self._starting: grpc.aio.Server | None = None  # the gRPC server until start() succeeds
         self._layout: ImageLayout | None = None  # the state image's, with --keep-state
         self.adoption: Adoption | None = None  # what was adopted from the kept state
+        self._adopt_ms = 0.0
         self._socket_made = False  # start() may have created the unix socket file
 
     async def start(self) -> None:
@@ -209,6 +210,7 @@ class KVMemServer:
             core, cfg.lease_s, self.memory, quarantine_s=cfg.quarantine_s, max_sessions=cfg.max_sessions
         )
         if self.adoption is not None:  # no session of the last run resumes (yet): their requests end, quarantined
+            self.sessions.origin = StateOrigin("adopted", self.adoption, self._adopt_ms)
             self.sessions.end_adopted("adopted from the kept state")
         self.events = EventLog(
             self.sessions.epoch,
@@ -251,8 +253,9 @@ class KVMemServer:
             )  # fmt: skip
         except ImageMismatch as exc:
             raise StartupError(f"--keep-state: {exc} (--discard-state drops it)") from None
+        self._adopt_ms = 1000 * (time.monotonic() - started)
         log.info(
-            "--keep-state: %s, in %.0f ms from %s", self.adoption.describe(), 1000 * (time.monotonic() - started),
+            "--keep-state: %s, in %.0f ms from %s", self.adoption.describe(), self._adopt_ms,
             self.memory.state_path,  # type: ignore[attr-defined]
         )  # fmt: skip
         return core

@@ -88,7 +88,13 @@ def test_a_killed_server_comes_back_with_its_prefix_cache_kv_bytes_and_quarantin
         assert "nothing to repair" in log and "adopted owner ended index=1" in log, log
         matched, same = read_back(again.target)
         assert matched == [48] and same, (matched, same)
+        shown = subprocess.run(
+            [sys.executable, "-m", "kvmem.cli", "stats", "--socket", again.socket_path], capture_output=True, text=True
+        )  # fmt: skip
+        assert "state adopted from the last run in" in shown.stdout and "1 requests (2 pages)" in shown.stdout, shown
         with KVMemClient(again.target, name="look") as kv:
+            origin = kv.stats().origin
+            assert (origin.kind, origin.owners, origin.requests, origin.cached_pages) == ("adopted", 1, 1, 4), origin
             assert kv.stats().num_quarantined_pages == 2  # b's 20 tokens: its pages wait, the holder may write
             deadline = time.monotonic() + 20
             while kv.stats().num_quarantined_pages and time.monotonic() < deadline:
@@ -138,7 +144,7 @@ def test_another_geometry_is_refused_unless_the_state_is_discarded() -> None:
     try:
         assert "--discard-state: removed the kept" in fresh.log() and "a new state in" in fresh.log(), fresh.log()
         with KVMemClient(fresh.target, name="w", cache_namespace="ns") as kv:
-            assert kv.stats().num_cached_pages == 0
+            assert kv.stats().num_cached_pages == 0 and kv.stats().origin.kind == "new"
     finally:
         assert fresh.stop() == 0
 
@@ -170,3 +176,18 @@ def test_keep_state_options_that_cannot_work_are_refused(extra: tuple[str, ...],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode != 0 and words in run.stderr, run.stderr
+
+
+def test_a_server_that_keeps_no_state_says_so() -> None:
+    directory = short_tmpdir()
+    srv = start_server(directory, "--shm-dir", directory, *FLAGS)
+    try:
+        with KVMemClient(srv.target, name="look") as kv:
+            assert kv.stats().origin.kind == "fresh"
+        shown = subprocess.run(
+            [sys.executable, "-m", "kvmem.cli", "stats", "--socket", srv.socket_path], capture_output=True, text=True
+        )  # fmt: skip
+        assert "state not kept (a restart starts empty; kvmem serve --keep-state keeps it)" in shown.stdout, shown
+    finally:
+        assert srv.stop() == 0
+    assert kept_files(directory) == []

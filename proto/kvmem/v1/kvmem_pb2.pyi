@@ -342,7 +342,7 @@ class AuditResult(_message.Message):
     def __init__(self, ran: _Optional[bool] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions", "prefix_cache_enabled", "prefix_hash", "num_cache_entries", "version")
+    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions", "prefix_cache_enabled", "prefix_hash", "num_cache_entries", "version", "origin")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +365,7 @@ class StatsResponse(_message.Message):
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     geometry: PoolGeometry
     num_pages_total: int
@@ -387,7 +388,28 @@ class StatsResponse(_message.Message):
     prefix_hash: str
     num_cache_entries: int
     version: str
-    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    origin: StateOrigin
+    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ..., origin: _Optional[_Union[StateOrigin, _Mapping]] = ...) -> None: ...
+
+class StateOrigin(_message.Message):
+    __slots__ = ("kind", "owners", "requests", "pages_in_rows", "cached_pages", "quarantined_pages", "repaired", "adopt_ms")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_IN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REPAIRED_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_MS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    owners: int
+    requests: int
+    pages_in_rows: int
+    cached_pages: int
+    quarantined_pages: int
+    repaired: _containers.RepeatedScalarFieldContainer[str]
+    adopt_ms: float
+    def __init__(self, kind: _Optional[str] = ..., owners: _Optional[int] = ..., requests: _Optional[int] = ..., pages_in_rows: _Optional[int] = ..., cached_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., repaired: _Optional[_Iterable[str]] = ..., adopt_ms: _Optional[float] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("from_seq", "epoch")
