@@ -285,7 +285,9 @@ class KVCore:
         return audit(self.config, self.pool, self.table, self.slots, self._quarantine, self.cache)
 
     def _finish(self) -> None:
-        """End of a mutating call: hand its cache events to the sink; audit if asked."""
+        """End of a mutating call: the cache's new pages into the state image; hand its
+        cache events to the sink; audit if asked."""
+        self.cache.flush_image()
         events = self.cache.events
         if events:
             self.cache.events = []

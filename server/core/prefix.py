@@ -57,7 +57,9 @@ class PrefixCache:
         self.tokens = np.full(num_pages, None, dtype=object)  # int32 token ids (for snapshots)
         self.namespace = np.full(num_pages, None, dtype=object)
         self.depth = np.zeros(num_pages, dtype=np.int32) if image is None else image.page_depth  # column in its chain
-        self.cached = np.zeros(num_pages, dtype=bool) if image is None else image.page_cached
+        # Cached now; the image's flags (image.page_cached) follow at flush_image(), after the facts.
+        self.cached = np.zeros(num_pages, dtype=bool)
+        self._pending: list[tuple[np.ndarray, np.ndarray, list[bytes], bytes, np.ndarray, str]] = []
         self.roots: dict[str, bytes] = {}  # namespace -> the parent key of its chains' first pages
         # The evictable queue: entries [head, tail) of (page, seq); valid while lru_seq[page] == seq.
         cap = 2 * num_pages + 64
@@ -124,24 +126,36 @@ class PrefixCache:
         if new:
             cols = np.array(new, dtype=np.intp)
             where = np.array(pages, dtype=np.intp)[cols]
-            if self._image is not None:  # the facts before the flags: a crash leaves a page whole or not cached
-                self._image_facts(where, cols, keys, parent, tokens, namespace)
             self.cached[where] = True
+            if self._image is not None:  # into the image at the call's end (flush_image)
+                self._pending.append((where, cols, keys, parent, tokens, namespace))
         return out
 
-    def _image_facts(
-        self, where: np.ndarray, cols: np.ndarray, keys: list[bytes], root: bytes, tokens: np.ndarray, namespace: str
-    ) -> None:
-        """The image's copy of the new pages' facts (``where``, at chain columns
-        ``cols``): one scatter per fact. O(pages)."""
-        image = self._image
-        assert image is not None
+    def flush_image(self) -> None:
+        """Write the facts of the pages this call cached into the image, then their
+        flags: one scatter per fact for the whole call. A crash before it leaves those
+        pages uncached in the image (in their rows still: nothing lost but the cache
+        entries); a page evicted since is skipped. O(pages)."""
+        pending, image = self._pending, self._image
+        if not pending or image is None:
+            return
+        self._pending = []
         ps, width = self.page_size, image.layout.key_bytes
-        chain = np.frombuffer(b"".join((root, *keys)), dtype=np.uint8).reshape(-1, width)  # row c + 1: column c's key
-        image.page_key[where] = chain[cols + 1]
-        image.page_parent[where] = chain[cols]
-        image.page_tokens[where] = tokens[: len(keys) * ps].reshape(-1, ps)[cols]
-        image.page_ns[where] = image.namespace_id(namespace)
+        where = np.concatenate([p[0] for p in pending])
+        chains = np.frombuffer(b"".join(b"".join((root, *keys)) for _, _, keys, root, _, _ in pending), np.uint8)
+        chains = chains.reshape(-1, width)  # per call: its root, then its keys
+        first = np.cumsum([0] + [len(p[2]) + 1 for p in pending[:-1]])
+        at = np.concatenate([start + cols for start, (_, cols, *_) in zip(first.tolist(), pending, strict=True)])
+        tokens = np.concatenate([t[: len(k) * ps].reshape(-1, ps)[c] for _, c, k, _, t, _ in pending])
+        ns = np.repeat([image.namespace_id(p[5]) for p in pending], [p[0].size for p in pending])
+        live = self.cached[where]
+        if not live.all():
+            where, at, tokens, ns = where[live], at[live], tokens[live], ns[live]
+        image.page_key[where] = chains[at + 1]
+        image.page_parent[where] = chains[at]
+        image.page_tokens[where] = tokens
+        image.page_ns[where] = ns
+        image.page_cached[where] = True  # the flags last
 
     def _stored(self, keys: list[bytes], tokens: np.ndarray, namespace: str, start: int, end: int) -> None:
         ps = self.page_size
@@ -194,6 +208,8 @@ class PrefixCache:
         keys = self.key.take(pages).tolist()
         deque(map(self.index.__delitem__, keys), maxlen=0)
         self.cached.put(pages, False)  # put: a third of a fancy assignment's fixed cost
+        if self._image is not None:  # before an alloc hands the pages out
+            self._image.page_cached.put(pages, False)
         self.events.append(PagesRemoved(keys))
         return pages
 
@@ -269,6 +285,8 @@ class PrefixCache:
             self.tokens[page] = tokens[i].copy()
         self.depth[pages] = depth
         self.cached[pages] = True
+        if image is not None:
+            image.page_cached[pages] = True
         if evictable.size:
             self.push_evictable(evictable[::-1])  # queued reversed: least recently used first
 
