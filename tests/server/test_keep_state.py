@@ -211,7 +211,8 @@ WRITER = textwrap.dedent(
         try:
             if kv is None:
                 kv = KVMemClient(sys.argv[1], name=f"writer-{sys.argv[2]}", cache_namespace="ns", timeout=2.0)
-            tokens = np.concatenate([prefixes[rng.randrange(4)], np.array([rng.randrange(1, 900) for _ in range(rng.randrange(1, 40))], dtype=np.int32)])
+            tail = [rng.randrange(1, 900) for _ in range(rng.randrange(1, 40))]
+            tokens = np.concatenate([prefixes[rng.randrange(4)], np.array(tail, dtype=np.int32)])
             (slot,) = kv.open([f"r{written}"]).tolist()
             r = kv.step(match=[(slot, tokens, tokens.size - 1)], alloc_slots=[slot], alloc_needs=[tokens.size])
             if not r.ok:
@@ -276,7 +277,7 @@ def test_cached_kv_survives_sigkills_at_random_instants_under_load() -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for i in range(4)
     ]
     servers, checked = [srv], 0
