@@ -176,12 +176,12 @@ def test_tokens_stream_out_as_they_come_and_a_stop_string_ends_the_text_before_i
     for c in whole:
         mine = [d for d in deltas if d.index == c.index]
         assert len(mine) > 3 and all(d.token_ids for d in mine), mine  # one delta an iteration, not one at the end
-        assert sum((d.token_ids for d in mine), []) == c.token_ids, (mine, c)
+        assert [t for d in mine for t in d.token_ids] == c.token_ids, (mine, c)
         assert "".join(d.text or "" for d in mine) == c.text, (mine, c)
         assert [d.finish_reason for d in mine] == [None] * (len(mine) - 1) + [c.finish_reason], mine
     text = "".join(d.text or "" for d in stopped)
     assert stopped[-1].finish_reason == "stop" and text == whole[0].text.split("Paris")[0], (text, stopped)
-    assert tokenizer.decode(sum((d.token_ids for d in stopped), [])).rstrip().endswith("Paris"), stopped
+    assert tokenizer.decode([t for d in stopped for t in d.token_ids]).rstrip().endswith("Paris"), stopped
 
 
 def test_a_missing_model_is_refused_in_one_line_that_says_how_to_install_it(
