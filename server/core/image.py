@@ -44,7 +44,7 @@ NS_BYTES = 1024  # a namespace's UTF-8 (at most 256 characters: sessions.MAX_NAM
 MAX_NAMESPACES = 4096
 _ALIGN = 64
 _HEADER_INTS = ("version", "num_pages", "page_size", "max_requests", "width", "key_bytes", "max_owners")
-_STATE_INTS = ("writer_pid", "num_free_pages", "num_free_slots", "next_owner", "num_namespaces", "clean")
+_STATE_INTS = ("writer_pid", "num_free_pages", "num_free_slots", "next_owner", "num_namespaces")
 _STATE_AT = {name: len(_HEADER_INTS) + i for i, name in enumerate(_STATE_INTS)}
 
 

@@ -218,5 +218,5 @@ class PagePool:
         self._free[: free.size] = free
         self._num_free = int(free.size)
         self.num_quarantined = held
-        if self._image is not None:
-            self._image.set("num_free_pages", self._num_free)
+        if self._image_free is not None:
+            self._image_free[0] = self._num_free
