@@ -19,6 +19,11 @@ Repairs, each reported in one line (:attr:`Adoption.repaired`):
   are cut before it;
 * a quarantined page that is in a row or cached leaves its quarantine.
 
+Before any of that, a Step the crash cut (its undo record open, not committed: see
+:mod:`.undo`) is undone, so that it was not applied at all; :attr:`Adoption.undone`
+says so. Each owner's session (its id, name, quota and the number of its last Step
+applied) is read back for the server to resume it by (:attr:`Adoption.sessions`).
+
 The free stack keeps its order when it still holds exactly the free pages (a clean
 stop); otherwise it is rebuilt, lowest page on top. The same for the free slots.
 O(pool + requests * width), once per start.
@@ -37,11 +42,24 @@ from kvmem.server.core.events import CacheEvent
 from kvmem.server.core.hashing import PageKeys, XXH3Keys
 from kvmem.server.core.image import CoreImage, ImageLayout, ImageMismatch
 from kvmem.server.core.kvcore import KVCore
+from kvmem.server.core.undo import pending, undo
 from kvmem.server.errors import CorruptionError
 
-__all__ = ["DEFAULT_MAX_OWNERS", "Adoption", "adopt", "layout_for"]
+__all__ = ["DEFAULT_MAX_OWNERS", "AdoptedSession", "Adoption", "adopt", "layout_for"]
 
 DEFAULT_MAX_OWNERS = 4096
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdoptedSession:
+    """An adopted owner's session, as its Attach wrote it into the image ("" id: none)."""
+
+    owner: int
+    session_id: str
+    name: str
+    quota_pages: int | None
+    cache_namespace: str
+    applied_seq: int  # its last Step applied whole
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,12 +72,15 @@ class Adoption:
     cached_pages: int
     quarantined_pages: int
     repaired: tuple[str, ...]
+    sessions: tuple[AdoptedSession, ...] = ()
+    undone: str = ""  # the cut Step undone, described; "" if none was cut
 
     def describe(self) -> str:
         repaired = f"; repaired: {'; '.join(self.repaired)}" if self.repaired else "; nothing to repair"
+        undone = f"; {self.undone}" if self.undone else ""
         return (
             f"adopted {self.owners} owners, {self.requests} open requests holding {self.pages_in_rows} pages, "
-            f"{self.cached_pages} cached pages, {self.quarantined_pages} quarantined{repaired}"
+            f"{self.cached_pages} cached pages, {self.quarantined_pages} quarantined{undone}{repaired}"
         )
 
 
@@ -117,14 +138,27 @@ class _Facts:
         self.config, self.keys = config, keys
         self.repaired: list[str] = []
         self.next_owner = image.get("next_owner")
-        self.slot_owner = (image.slot_word[:n_slots] & 0xFFFFFFFF).astype(np.int64)  # the value half of each word
-        self.lengths = image.alloced[:n_slots].astype(np.int64)
+        words, alloced, rid_len = image.slot_word.copy(), image.alloced.copy(), image.rid_len.copy()
         self.rows = block_table.copy()
-        self.rids = [image.request_id(s) if image.rid_len[s] > 0 else "" for s in range(n_slots)]
-        self.free_slots = image.free_slots[: image.get("num_free_slots")].copy()
+        flags = image.page_cached.copy()
+        cut = pending(image)
         records = np.flatnonzero(image.owner_id > 0)
         self.owners = {int(image.owner_id[r]): image.namespace_name(int(image.owner_ns[r])) for r in records}
-        self.cached = np.flatnonzero(image.page_cached[1:]) + 1
+        self.undone = ""
+        if cut is not None:
+            undo(cut, words, alloced, rid_len, self.rows, flags, config.page_size)
+            self.undone = cut.describe(int(image.owner_id[cut.record]))
+        self.slot_owner = (words[:n_slots] & 0xFFFFFFFF).astype(np.int64)  # the value half of each word
+        self.lengths = alloced[:n_slots].astype(np.int64)
+        self.rids = [
+            image.rid[s, : int(rid_len[s])].tobytes().decode("utf-8", "surrogatepass") if rid_len[s] > 0 else ""
+            for s in range(n_slots)
+        ]
+        self.free_slots = image.free_slots[: image.get("num_free_slots")].copy()
+        self.sessions = {
+            int(image.owner_id[r]): (*image.session(int(r)), int(image.owner_seq[r])) for r in records.tolist()
+        }
+        self.cached = np.flatnonzero(flags[1:]) + 1
         c = self.cached
         self.key = [image.page_key[p].tobytes() for p in c.tolist()]
         self.parent = [image.page_parent[p].tobytes() for p in c.tolist()]
@@ -262,6 +296,12 @@ class _Facts:
         for owner in np.unique(held_by[held_by != 0]).tolist():
             quarantine[int(owner)] = [np.flatnonzero(held_by == owner).astype(np.int32)]
         core.install_quarantine(quarantine)
+        sessions = []
+        for owner, namespace in owners:
+            sid, name, quota, seq = self.sessions[owner]
+            core.set_session(owner, sid, name, quota)
+            core.install_seq(owner, seq)
+            sessions.append(AdoptedSession(owner, sid, name, quota, namespace, seq))
         if cached.size:
             order = np.argsort(self.lru[keep], kind="stable")
             evictable = cached[order][ref[cached[order]] == 0]
@@ -272,7 +312,7 @@ class _Facts:
             )  # fmt: skip
         return Adoption(
             len(owners), int(open_slots.size), int(in_rows.size), int(cached.size),
-            int(np.count_nonzero(held_by)), tuple(self.repaired),
+            int(np.count_nonzero(held_by)), tuple(self.repaired), tuple(sessions), self.undone,
         )  # fmt: skip
 
 

@@ -12,7 +12,11 @@ What the image holds (the block-table rows are the given table, already shared):
 * per page: the prefix cache's facts (cached, key, parent key, depth in its chain,
   namespace, token ids, LRU sequence number) and the owner whose quarantine holds it
   (0: none); the free page stack (its order, kept when it is still right);
-* the namespace table: each namespace's UTF-8 name.
+* the namespace table: each namespace's UTF-8 name;
+* per owner record, the session it is (its id, name and quota, written at Attach: what a
+  resuming client names) and the sequence number of its last Step applied whole;
+* the undo record of the Step being applied (:mod:`.undo`): what the Step changed, as
+  it was before, so that a Step cut by a crash is undone, never half applied.
 
 What it does not hold: reference counts, the evictable queue, the key index and the
 per-owner accounting: :mod:`.adopt` derives them from the above (O(pool), once). Nor
@@ -38,13 +42,19 @@ import numpy as np
 __all__ = ["MAGIC", "VERSION", "CoreImage", "ImageLayout", "ImageMismatch"]
 
 MAGIC = b"KVMCORE1"
-VERSION = 1
+VERSION = 2
 RID_BYTES = 256  # MAX_REQUEST_ID_BYTES in .slots
 NS_BYTES = 1024  # a namespace's UTF-8 (at most 256 characters: sessions.MAX_NAMESPACE_CHARS)
 MAX_NAMESPACES = 4096
+SID_BYTES = 64  # a session id (ASCII; the server makes 32-character ones)
+NAME_BYTES = 1024  # a session's name, UTF-8 (at most 256 characters: sessions.MAX_NAME_CHARS)
 _ALIGN = 64
 _HEADER_INTS = ("version", "num_pages", "page_size", "max_requests", "width", "key_bytes", "max_owners")
-_STATE_INTS = ("writer_pid", "num_free_pages", "num_free_slots", "next_owner", "num_namespaces")
+_STATE_INTS = (
+    "writer_pid", "num_free_pages", "num_free_slots", "next_owner", "num_namespaces",
+    # the undo record (.undo): the Step's sequence number (0: none open), its owner's record, counts
+    "undo_seq", "undo_record", "undo_lens", "undo_closed", "undo_entries", "undo_inserted", "undo_evicted",
+)  # fmt: skip
 _STATE_AT = {name: len(_HEADER_INTS) + i for i, name in enumerate(_STATE_INTS)}
 
 
@@ -75,6 +85,11 @@ class ImageLayout:
             ("rid", np.uint8, (slots, RID_BYTES)),
             ("owner_id", np.int64, (self.max_owners,)),
             ("owner_ns", np.int32, (self.max_owners,)),
+            ("owner_seq", np.int64, (self.max_owners,)),
+            ("owner_quota", np.int64, (self.max_owners,)),  # -1: none
+            ("owner_sid", np.uint8, (self.max_owners, SID_BYTES)),
+            ("owner_name_len", np.int16, (self.max_owners,)),
+            ("owner_name", np.uint8, (self.max_owners, NAME_BYTES)),
             ("page_cached", np.bool_, (pages,)),
             ("page_key", np.uint8, (pages, k)),
             ("page_parent", np.uint8, (pages, k)),
@@ -86,6 +101,17 @@ class ImageLayout:
             ("free_pages", np.int32, (pages,)),
             ("ns_len", np.int16, (MAX_NAMESPACES,)),
             ("ns_name", np.uint8, (MAX_NAMESPACES, NS_BYTES)),
+            # the undo record: lengths (every slot a Step names), closed slots' words and
+            # id lengths, row entries before they changed, pages cached and evicted
+            ("undo_len_slot", np.int64, (4 * slots,)),
+            ("undo_len", np.int32, (4 * slots,)),
+            ("undo_closed_slot", np.int64, (slots,)),
+            ("undo_word", np.int64, (slots,)),
+            ("undo_rid_len", np.int16, (slots,)),
+            ("undo_pos", np.int64, (slots * self.width,)),
+            ("undo_page", np.int32, (slots * self.width,)),
+            ("undo_inserted", np.int32, (pages,)),
+            ("undo_evicted", np.int32, (pages,)),
         ]
 
     def offsets(self) -> tuple[dict[str, tuple[int, Any, tuple[int, ...]]], int]:
@@ -136,6 +162,20 @@ class CoreImage:
         self.free_pages: np.ndarray
         self.ns_len: np.ndarray
         self.ns_name: np.ndarray
+        self.owner_seq: np.ndarray
+        self.owner_quota: np.ndarray
+        self.owner_sid: np.ndarray
+        self.owner_name_len: np.ndarray
+        self.owner_name: np.ndarray
+        self.undo_len_slot: np.ndarray
+        self.undo_len: np.ndarray
+        self.undo_closed_slot: np.ndarray
+        self.undo_word: np.ndarray
+        self.undo_rid_len: np.ndarray
+        self.undo_pos: np.ndarray
+        self.undo_page: np.ndarray
+        self.undo_inserted: np.ndarray
+        self.undo_evicted: np.ndarray
 
     @classmethod
     def create(cls, buffer: Any, layout: ImageLayout) -> CoreImage:
@@ -215,6 +255,27 @@ class CoreImage:
 
     def namespace_name(self, index: int) -> str:
         return self.ns_name[index, : int(self.ns_len[index])].tobytes().decode("utf-8", "surrogatepass")
+
+    # --------------------------------------------------------------- sessions
+
+    def write_session(self, record: int, session_id: str, name: str, quota: int | None) -> None:
+        """The session an owner record is: its id, name and quota (None: no quota).
+        O(1), at Attach."""
+        sid, data = session_id.encode("ascii"), name.encode("utf-8", "surrogatepass")
+        if len(sid) > SID_BYTES or len(data) > NAME_BYTES:
+            raise ValueError(f"the state image holds session ids of up to {SID_BYTES} bytes, names of {NAME_BYTES}")
+        self.owner_sid[record] = 0
+        self.owner_sid[record, : len(sid)] = np.frombuffer(sid, dtype=np.uint8)
+        self.owner_name[record, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.owner_name_len[record] = len(data)
+        self.owner_quota[record] = -1 if quota is None else quota
+
+    def session(self, record: int) -> tuple[str, str, int | None]:
+        """The session id, name and quota of an owner record ("" when it has none)."""
+        sid = self.owner_sid[record].tobytes().rstrip(b"\0").decode("ascii", "replace")
+        name = self.owner_name[record, : int(self.owner_name_len[record])].tobytes().decode("utf-8", "surrogatepass")
+        quota = int(self.owner_quota[record])
+        return sid, name, None if quota < 0 else quota
 
     # ------------------------------------------------------------ request ids
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvmem.server.core import prefix_step
+from kvmem.server.core import crash, prefix_step
 from kvmem.server.core import step as steps
 from kvmem.server.core.alloc import NO_ALLOCS, Allocator
 from kvmem.server.core.audit import audit
@@ -17,8 +17,9 @@ from kvmem.server.core.hashing import PageKeys, XXH3Keys
 from kvmem.server.core.image import CoreImage
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.prefix import PrefixCache
-from kvmem.server.core.slots import RequestTable
+from kvmem.server.core.slots import Owner, RequestTable
 from kvmem.server.core.table import BlockTable
+from kvmem.server.core.undo import UndoLog
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
 
 
@@ -67,16 +68,19 @@ class KVCore:
     ) -> None:
         self.config = config
         self.image = image
+        # A numbered Step's changes, before it makes them, so that a crash undoes it (see .undo).
+        self.undo = None if image is None else UndoLog(image)
         self.pool = PagePool(config.num_pages, image)
         self.cache = PrefixCache(
             config.num_pages, config.page_size, page_keys or XXH3Keys(), enabled=prefix_cache, image=image
         )
+        self.cache.undo = self.undo
         if prefix_cache:
             self.pool.cache = self.cache
         self.event_sink = event_sink
         self.table = BlockTable(config, block_table)
         self.block_table = self.table.array
-        self.slots = RequestTable(config.max_requests, self.table, self.pool, image)
+        self.slots = RequestTable(config.max_requests, self.table, self.pool, image, self.undo)
         self._allocator = Allocator(config, self.pool, self.table, self.slots)
         self.audit_every_step = audit_every_step
         # Pages of removed owners that no one may take yet, by owner (see remove_owner).
@@ -138,6 +142,23 @@ class KVCore:
         """The owners whose quarantines hold pages."""
         return list(self._quarantine)
 
+    def set_session(self, owner: int, session_id: str, name: str, quota_pages: int | None) -> None:
+        """Keep who ``owner`` is (a session: its id, name and quota) in the state image,
+        for a later process to resume it by. O(1); nothing without an image."""
+        if self.image is not None:
+            self.image.write_session(self.slots.owner(owner).record, session_id, name, quota_pages)
+
+    def applied_seq(self, owner: int) -> int:
+        """The number of ``owner``'s last Step applied whole (:meth:`commit`; 0: none
+        kept, or no image)."""
+        record = self.slots.owner(owner).record
+        return 0 if self.image is None or record < 0 else int(self.image.owner_seq[record])
+
+    def install_seq(self, owner: int, seq: int) -> None:
+        """An adopted owner's last applied Step number (:mod:`.adopt`)."""
+        if self.image is not None:
+            self.image.owner_seq[self.slots.owner(owner).record] = seq
+
     def has_owner(self, owner: int) -> bool:
         return owner in self.slots.owners
 
@@ -156,7 +177,7 @@ class KVCore:
         All or nothing. O(n). Returns int32 slots in the order of ``request_ids``."""
         return self.slots.open(self.slots.owner(owner), request_ids)
 
-    def step(self, owner: int, batch: StepBatch, quota_pages: int | None = None) -> StepResult:
+    def step(self, owner: int, batch: StepBatch, quota_pages: int | None = None, seq: int = 0) -> StepResult:
         """One scheduler step: releases, then truncates, then cache items, then match
         items, then allocs (see :mod:`kvmem.server.core.prefix_step` for the prefix
         cache's part; an alloc that needs pages evicts cached ones when the free stack
@@ -171,12 +192,35 @@ class KVCore:
         Validate, then apply each kind of item in order (its module plans it from the
         state the earlier ones left, the owners change it), then build the result, once.
 
+        ``seq`` (> 0, with a state image): the Step's number. What it changes is recorded
+        first (:mod:`.undo`), and it is applied whole only at :meth:`commit` (``seq``):
+        a crash before that undoes it. A refused Step leaves no record.
+
         Cost: O(n + T + P) numpy work, vectorised across the items; a Python loop over
         items only when the pool or the quota runs short (never over tokens).
         """
         requests = self.slots
         state = requests.owner(owner)
         prefix = batch.check_lengths(self.config.max_requests)  # and whether it carries prefix work
+        undo = self.undo
+        if seq and undo is not None:
+            rel = batch.release_slots
+            undo.begin(state.record, seq, [rel, batch.truncate_slots, batch.match_slots, batch.alloc_slots], rel)
+            try:
+                return self._step(state, batch, quota_pages, prefix)
+            except BaseException:
+                undo.abort()  # refused before any change (a bug past that: the audit says)
+                raise
+        return self._step(state, batch, quota_pages, prefix)
+
+    def commit(self, seq: int) -> None:
+        """The Step :meth:`step` was given ``seq`` for is applied whole (the commit
+        point: see :mod:`.undo`). O(1)."""
+        if self.undo is not None:
+            self.undo.commit(seq)
+
+    def _step(self, state: Owner, batch: StepBatch, quota_pages: int | None, prefix: bool) -> StepResult:
+        requests = self.slots
         rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
         cache = self.cache
         evictions, inserted = cache.num_evictions, cache.num_inserted
@@ -209,6 +253,8 @@ class KVCore:
             released += requests.release(state, rel)
         if tr.size:
             released += requests.truncate(state, tr, batch.truncate_lens)
+        if crash.armed:
+            crash.at("after-releases")
         switched, changed = NO_INT32, list[int]()
         if plan is not None and batch.cache_slots.size:
             switched, changed = prefix_step.cache_rows(cache, requests, batch, plan, state.namespace)
@@ -218,6 +264,8 @@ class KVCore:
             if cur is not None:
                 cur = requests.alloced[al]  # matched slots start where their match ended
                 needs = prefix_step.remainders(requests, batch, lens)
+        if crash.armed:
+            crash.at("after-prefix")
         allocs = NO_ALLOCS if cur is None else self._allocator.alloc(state, al, needs, cur, batch.atomic, quota_pages)
         evicted = cache.num_evictions - evictions
         if evicted:

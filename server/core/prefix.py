@@ -31,6 +31,7 @@ import numpy as np
 from kvmem.server.core.events import CacheEvent, PagesRemoved, PagesStored
 from kvmem.server.core.hashing import PageKeys
 from kvmem.server.core.image import CoreImage
+from kvmem.server.core.undo import UndoLog
 
 
 class PrefixCache:
@@ -49,6 +50,7 @@ class PrefixCache:
     ) -> None:
         self.enabled = enabled
         self._image = image  # each cached page's facts live there too (see .image)
+        self.undo: UndoLog | None = None  # a Step's cached and evicted pages (see .undo), set by the core
         self.page_size = page_size
         self.page_keys = page_keys
         self.index: dict[bytes, int] = {}
@@ -155,6 +157,8 @@ class PrefixCache:
         image.page_parent[where] = chains[at]
         image.page_tokens[where] = tokens
         image.page_ns[where] = ns
+        if self.undo is not None:
+            self.undo.inserted(where.astype(np.int32))
         image.page_cached[where] = True  # the flags last
 
     def _stored(self, keys: list[bytes], tokens: np.ndarray, namespace: str, start: int, end: int) -> None:
@@ -209,6 +213,8 @@ class PrefixCache:
         deque(map(self.index.__delitem__, keys), maxlen=0)
         self.cached.put(pages, False)  # put: a third of a fancy assignment's fixed cost
         if self._image is not None:  # before an alloc hands the pages out
+            if self.undo is not None and self.undo.active:  # those cached before this call
+                self.undo.evicted(pages[self._image.page_cached.take(pages)])
             self._image.page_cached.put(pages, False)
         self.events.append(PagesRemoved(keys))
         return pages

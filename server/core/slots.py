@@ -12,11 +12,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvmem.server.core import crash
 from kvmem.server.core.batch import NO_INT32, raise_first, too_many
 from kvmem.server.core.config import OwnerId
 from kvmem.server.core.image import CoreImage
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.table import BlockTable, segments
+from kvmem.server.core.undo import UndoLog
 from kvmem.server.core.words import StampedWords
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
 
@@ -68,8 +70,12 @@ class RequestTable:
     are a stack whose top is handed out first; descending, so the first slots are 1,
     2, 3, ... ``scratch`` is scratch per slot, for any check."""
 
-    def __init__(self, max_requests: int, table: BlockTable, pool: PagePool, image: CoreImage | None = None) -> None:
+    def __init__(
+        self, max_requests: int, table: BlockTable, pool: PagePool, image: CoreImage | None = None,
+        undo: UndoLog | None = None,
+    ) -> None:  # fmt: skip
         self.max_requests = max_requests
+        self._undo = undo  # a Step's row entries, before it changes them (see .undo)
         self.table, self.pool = table, pool
         table.array[...] = 0  # every row empty
         n_slots = max_requests + 2  # slot 0 padding, last entry a sentinel
@@ -121,6 +127,8 @@ class RequestTable:
                     f"the state image holds {image.layout.max_owners} owners at once, all in use",
                 )
             state.record = self._records.pop()
+            image.owner_seq[state.record] = 0
+            image.write_session(state.record, "", "", None)
             image.owner_ns[state.record] = image.namespace_id(namespace)
             image.owner_id[state.record] = index
         self.owners[index] = state
@@ -274,6 +282,8 @@ class RequestTable:
             state.num_pages_held += num_pages
         else:
             pages = NO_INT32
+        if crash.armed:
+            crash.at("mid-allocs")
         self.alloced[which] = end
         return pages
 
@@ -299,6 +309,8 @@ class RequestTable:
         Lengths and page counts stay. O(P)."""
         flat = self.table.flat
         old = flat.take(where)
+        if self._undo is not None:
+            self._undo.entries(where, old)
         flat[where] = pages
         self.pool.share(pages)
         self.pool.unref(old)
@@ -334,6 +346,8 @@ class RequestTable:
         flat = self.table.flat
         pos = slots[item] * self.table.width + cols
         pages = flat.take(pos)
+        if self._undo is not None:
+            self._undo.entries(pos, pages)
         self.pool.unref(pages)
         flat[pos] = 0
         return int(pages.size)
@@ -353,6 +367,9 @@ class RequestTable:
         width = -(-longest // ps)
         heads, zero = self._row_heads(width)
         pages = heads[slots].view(_INT32)  # the rows' first `width` entries, row after row
+        undo = self._undo
+        if undo is not None and undo.active:
+            undo.entries((slots[:, None] * self.table.width + self._col[:width]).reshape(-1), pages)
         if alloced.item(alloced.argmin()) <= (width - 1) * ps:  # some row holds fewer pages
             pages = pages.reshape(-1, width)[self._col[:width] < self.table.num_pages_for(alloced)[:, None]]
         self.pool.unref(pages, hold)

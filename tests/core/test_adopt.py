@@ -174,3 +174,93 @@ def test_an_image_of_another_geometry_is_refused_naming_the_difference() -> None
     with pytest.raises(ImageMismatch, match=r"page_size 4 \(this server's 8\), width 16 \(this server's 8\)"):
         adopt(other, np.zeros(other.block_table_shape, np.int32), buf)
     assert bytes(buf) == kept
+
+
+def _state(core: KVCore) -> tuple[object, ...]:
+    """What a Step changes, as a client and the cache see it."""
+    s = core.stats()
+    n = core.config.max_requests + 1
+    return (
+        core.block_table.tobytes(), core.slots.alloced[:n].tolist(), core.slots.owner_of[:n].tolist(),
+        core.slots.request_id[:n].tolist(), sorted(core.cache.index.items()),
+        (s.num_free_pages, s.num_cached_pages, s.num_used_pages, s.num_quarantined_pages),
+    )  # fmt: skip
+
+
+def test_a_numbered_step_cut_anywhere_is_undone_whole_and_a_committed_one_kept() -> None:
+    """Numbered Steps (as the server sends them) of every kind are cut between any two
+    of the owners' changes and at each named crash point: the adopted state is exactly
+    the one before the Step (rows, lengths, owners, ids, cache keys, page counts), the
+    undo is named, and the owner's applied number is the previous Step's. A state taken
+    after a commit is the Step's whole."""
+    from kvmem.server.core import crash
+
+    cfg = CoreConfig(num_pages=16, page_size=4, max_requests=8, max_context_len=64)
+    core, buf = fresh(cfg)
+    cuts: list[tuple[str, int, bytes, np.ndarray]] = []
+    seq = 0
+
+    def cut(where: str) -> None:
+        cuts.append((where, seq, bytes(buf), core.block_table.copy()))
+
+    originals: list[tuple[type, str, object]] = []
+    for cls, names in ((RequestTable, ("release", "truncate", "grow", "attach", "switch")),
+                       (PagePool, ("take", "unref", "share")), (PrefixCache, ("insert", "evict", "push_evictable"))):  # fmt: skip
+        for name in names:
+            method = getattr(cls, name)
+
+            def wrapper(self, *args, _m=method, _n=f"{cls.__name__}.{name}", **kwargs):  # type: ignore[no-untyped-def]
+                cut(f"before {_n}")
+                out = _m(self, *args, **kwargs)
+                cut(f"after {_n}")
+                return out
+
+            setattr(cls, name, wrapper)
+            originals.append((cls, name, method))
+    before: dict[int, tuple[object, ...]] = {}
+    after: dict[int, tuple[object, ...]] = {}
+    crash.hook, crash.armed = cut, True
+    o = core.add_owner("ns")
+    core.set_session(o, "sid-1", "worker", 12)
+
+    def step(batch: StepBatch) -> None:
+        nonlocal seq
+        seq += 1
+        before[seq] = _state(core)
+        core.step(o, batch, seq=seq)
+        core.commit(seq)
+        after[seq] = _state(core)
+
+    try:
+        a, b = core.open(o, ["a", "b"]).tolist()
+        step(StepBatch.of(alloc_slots=[a, b], alloc_needs=[24, 9]))
+        step(StepBatch.of(release_slots=[a], release_tokens=[SYSTEM], alloc_slots=[b], alloc_needs=[1]))
+        (c,) = core.open(o, ["c"]).tolist()
+        step(StepBatch.of(match=[(c, SYSTEM)], alloc_slots=[c], alloc_needs=[28]))
+        step(StepBatch.of(cache=[(b, np.arange(8, dtype=np.int32))], truncate_slots=[c], truncate_lens=[25]))
+        (d,) = core.open(o, ["d"]).tolist()
+        step(StepBatch.of(alloc_slots=[d], alloc_needs=[16]))  # takes the evictable pages
+        step(StepBatch.of(alloc_slots=[b, d], alloc_needs=[1, 1]))  # decode
+        step(StepBatch.of(release_slots=[b, c, d]))
+    finally:
+        crash.hook, crash.armed = None, False
+        for cls, name, method in originals:
+            setattr(cls, name, method)
+    points = {where for where, *_ in cuts}
+    assert {"mid-allocs", "after-releases", "after-prefix"} <= points, points
+    assert len(cuts) > 50, len(cuts)
+    undone = 0
+    for where, at, image, rows in cuts:
+        new, report = adopt(cfg, rows.copy(), bytearray(image), audit_every_step=True)
+        undone += bool(report.undone)
+        assert new.audit().ok, (where, at, report)
+        assert _state(new) == before[at], (where, at, report)
+        assert report.repaired == (), (where, at, report.repaired)
+        assert f"number {at}" in report.undone or _state(new) == after.get(at - 1), (where, at)
+        (session,) = report.sessions
+        assert (session.session_id, session.name, session.quota_pages) == ("sid-1", "worker", 12)
+        assert session.applied_seq == at - 1, (where, at)
+    assert undone > 40, undone  # the cuts before a Step's first change have nothing to undo
+    # committed: the whole Step, nothing undone
+    new, report = adopt(cfg, core.block_table.copy(), bytearray(buf), audit_every_step=True)
+    assert _state(new) == after[seq] and report.undone == "" and report.sessions[0].applied_seq == seq

@@ -1,0 +1,197 @@
+"""A Step is applied whole or not at all, across a crash: the undo record.
+
+A Step changes lengths, closes slots, rewrites row entries, caches pages and evicts
+others, each written in place into the state image (:mod:`.image`) as it goes. Before
+each change the owner that makes it writes what it overwrites into the image's undo
+record (:class:`UndoLog`); the Step is applied once its owner's ``owner_seq`` is set to
+the Step's number (:meth:`UndoLog.commit`, one word: the commit point). A process that
+adopts the image (:mod:`.adopt`) finds an undo record whose Step was not committed and
+puts back what it lists (:func:`undo`) before it reads the facts: the state is the one
+before the Step, as if it never came. A committed Step's record is stale: nothing to do.
+
+What is recorded (each array grows by appending; its count in the header is written
+after its entries, so a crash never leaves a count over entries not yet written):
+
+* the length of every slot the Step names, before it (released, truncated, matched,
+  allocated): a decode Step records its alloc slots' lengths and nothing else;
+* the owner word and request-id length of every slot it closes (a release);
+* each row entry before a release, a truncate or a cache switch overwrote it;
+* the pages it cached (their ``cached`` flags cleared again) and the pages its allocs
+  evicted (cached again: their facts stay in the image until they are cached anew,
+  which no later item of the same Step does: cache items come before allocs).
+
+Pages need no record of their own: reference counts, the free stack and the key index
+are derived at adoption from the rows and the flags. The record's start (:meth:`begin`)
+clears ``undo_seq`` first and sets it last, so a record half written is no record. The
+LRU order is not put back (an order "good enough to evict by").
+
+Cost per Step: one gather and one copy of the named slots' lengths (O(n)); a release,
+truncate, switch, insert or eviction writes its own entries once more (O(P)). Nothing
+is proportional to the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvmem.server.core.image import _STATE_AT, CoreImage
+
+__all__ = ["PendingUndo", "UndoLog", "pending", "undo"]
+
+_SEQ, _RECORD = _STATE_AT["undo_seq"], _STATE_AT["undo_record"]
+_LENS, _CLOSED, _ENTRIES = _STATE_AT["undo_lens"], _STATE_AT["undo_closed"], _STATE_AT["undo_entries"]
+_INSERTED, _EVICTED = _STATE_AT["undo_inserted"], _STATE_AT["undo_evicted"]
+
+
+class UndoLog:
+    """The writing side, over an image. ``active`` while a Step is being applied (between
+    :meth:`begin` and :meth:`commit` or :meth:`abort`); the record calls do nothing
+    otherwise (a Detach's releases are no Step: adoption repairs a cut one)."""
+
+    def __init__(self, image: CoreImage) -> None:
+        self.image = image
+        self.ints = image.ints
+        self.active = False
+        self.record = -1
+
+    def begin(self, record: int, seq: int, named: list[np.ndarray], closing: np.ndarray) -> None:
+        """A Step of owner ``record``, number ``seq`` (> 0), starts: the lengths of the
+        ``named`` slots and the words and id lengths of the ``closing`` ones, before it.
+        Slots out of range read (and would be put back at) a clipped index: the
+        validation that follows refuses them before anything changes."""
+        ints, image = self.ints, self.image
+        ints[_SEQ] = 0  # no record until it is whole
+        n = 0
+        for slots in named:
+            k = slots.size
+            if k:
+                image.undo_len_slot[n : n + k] = slots
+                image.undo_len[n : n + k] = image.alloced.take(slots, mode="clip")
+                n += k
+        k = closing.size
+        if k:
+            image.undo_closed_slot[:k] = closing
+            image.undo_word[:k] = image.slot_word.take(closing, mode="clip")
+            image.undo_rid_len[:k] = image.rid_len.take(closing, mode="clip")
+        ints[_LENS], ints[_CLOSED], ints[_ENTRIES], ints[_INSERTED], ints[_EVICTED] = n, k, 0, 0, 0
+        ints[_RECORD] = record
+        ints[_SEQ] = seq
+        self.active, self.record = True, record
+
+    def entries(self, pos: np.ndarray, pages: np.ndarray) -> None:
+        """Row entries at flat block-table positions ``pos``, holding ``pages``, are
+        about to change."""
+        if self.active and pos.size:
+            n, k = int(self.ints[_ENTRIES]), pos.size
+            self.image.undo_pos[n : n + k] = pos
+            self.image.undo_page[n : n + k] = pages
+            self.ints[_ENTRIES] = n + k
+
+    def pages(self, which: int, pages: np.ndarray) -> None:
+        """Pages about to be cached (``which`` is ``_INSERTED``) or evicted (``_EVICTED``)."""
+        if self.active and pages.size:
+            n, k = int(self.ints[which]), pages.size
+            (self.image.undo_inserted if which == _INSERTED else self.image.undo_evicted)[n : n + k] = pages
+            self.ints[which] = n + k
+
+    def inserted(self, pages: np.ndarray) -> None:
+        self.pages(_INSERTED, pages)
+
+    def evicted(self, pages: np.ndarray) -> None:
+        self.pages(_EVICTED, pages)
+
+    def commit(self, seq: int) -> None:
+        """The Step is applied: its owner's sequence number is ``seq`` (the commit
+        point), and the record is closed."""
+        if self.active:
+            self.image.owner_seq[self.record] = seq
+            self.ints[_SEQ] = 0
+            self.active = False
+
+    def abort(self) -> None:
+        """The Step changed nothing (it was refused): no record."""
+        if self.active:
+            self.ints[_SEQ] = 0
+            self.active = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingUndo:
+    """An undo record whose Step was cut before its commit, copied out of an image."""
+
+    record: int
+    seq: int
+    len_slot: np.ndarray
+    lens: np.ndarray
+    closed_slot: np.ndarray
+    words: np.ndarray
+    rid_lens: np.ndarray
+    pos: np.ndarray
+    pages: np.ndarray
+    inserted: np.ndarray
+    evicted: np.ndarray
+
+    def describe(self, owner: int) -> str:
+        return (
+            f"a Step (number {self.seq}) of owner {owner} cut by the crash was undone: {self.lens.size} length(s), "
+            f"{self.closed_slot.size} closed slot(s), {self.pos.size} row entries, {self.inserted.size} page(s) "
+            f"cached and {self.evicted.size} evicted put back as they were"
+        )
+
+
+def pending(image: CoreImage) -> PendingUndo | None:
+    """The image's undo record if its Step was not committed, else None. Counts out of
+    their arrays' bounds (a torn image) read as no record: adoption repairs the rest."""
+    ints = image.ints
+    seq, record = int(ints[_SEQ]), int(ints[_RECORD])
+    if seq <= 0 or not 0 <= record < image.owner_seq.size or int(image.owner_seq[record]) >= seq:
+        return None
+    counts = (int(ints[_LENS]), int(ints[_CLOSED]), int(ints[_ENTRIES]), int(ints[_INSERTED]), int(ints[_EVICTED]))
+    sizes = (image.undo_len.size, image.undo_word.size, image.undo_pos.size, image.undo_inserted.size,
+             image.undo_evicted.size)  # fmt: skip
+    if any(not 0 <= c <= s for c, s in zip(counts, sizes, strict=True)):
+        return None
+    n, k, e, i, v = counts
+    return PendingUndo(
+        record, seq, image.undo_len_slot[:n].copy(), image.undo_len[:n].copy(), image.undo_closed_slot[:k].copy(),
+        image.undo_word[:k].copy(), image.undo_rid_len[:k].copy(), image.undo_pos[:e].copy(),
+        image.undo_page[:e].copy(), image.undo_inserted[:i].copy(), image.undo_evicted[:v].copy(),
+    )  # fmt: skip
+
+
+def undo(
+    record: PendingUndo,
+    words: np.ndarray,
+    alloced: np.ndarray,
+    rid_len: np.ndarray,
+    rows: np.ndarray,
+    cached: np.ndarray,
+    page_size: int,
+) -> None:
+    """Put back, in the given copies of the image's arrays (slot words, lengths, id
+    lengths, the block table's rows, the ``cached`` flags), what the cut Step changed;
+    each value as it was first recorded (before the Step). Row entries past a restored
+    length are zeroed (an alloc's new pages). O(the record)."""
+    n_slots, flat = words.size, rows.reshape(-1)
+    slots = np.clip(record.len_slot, 0, n_slots - 1)
+    first = np.unique(slots, return_index=True)[1]
+    alloced[slots[first]] = record.lens[first]
+    closed = np.clip(record.closed_slot, 0, n_slots - 1)
+    words[closed] = record.words
+    rid_len[closed] = record.rid_lens
+    if record.pos.size:
+        pos_first = np.unique(record.pos, return_index=True)[1]
+        ok = record.pos[pos_first] < flat.size
+        flat[record.pos[pos_first][ok]] = record.pages[pos_first][ok]
+    cached[record.evicted[(record.evicted > 0) & (record.evicted < cached.size)]] = True
+    cached[record.inserted[(record.inserted > 0) & (record.inserted < cached.size)]] = False
+    touched = np.unique(np.concatenate([slots, closed]))
+    touched = touched[(touched > 0) & (touched < rows.shape[0])]
+    if touched.size:
+        need = (alloced[touched].astype(np.int64) + page_size - 1) // page_size
+        past = np.arange(rows.shape[1])[None, :] >= need[:, None]
+        sub = rows[touched]
+        sub[past] = 0
+        rows[touched] = sub
