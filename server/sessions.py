@@ -16,14 +16,15 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from kvmem.server.core import AllocStatus, AuditReport, KVCore, OwnerId, PoolStats, StepBatch, StepResult
+from kvmem.server.core import AllocStatus, AuditReport, KVCore, OwnerId, PoolStats, StepBatch, StepResult, crash
 from kvmem.server.core.adopt import Adoption
 from kvmem.server.errors import KVMemError, Reason
+from kvmem.server.steplog import StepLog
 
 log = logging.getLogger("kvmem.sessions")
 
@@ -57,6 +58,30 @@ class Session:
     quota_pages: int | None
     last_seen: float
     cache_namespace: str = ""
+    applied_seq: int = 0  # its last Step applied (numbered by the client, or here: see Sessions.step)
+
+
+@dataclasses.dataclass(slots=True)
+class Dormant:
+    """A session of the last server run (adopted with its state), waiting for its client
+    to resume it until ``until`` (monotonic seconds); ``answer``: its last Step's
+    answer, kept across the restart (None when it was too large to keep, or lost)."""
+
+    session: Session
+    until: float
+    answer: bytes | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resumed:
+    """What a resuming client is told: its session, the number of its last Step
+    applied, and that Step's answer (b"" if it has none to give)."""
+
+    session: Session
+    applied_seq: int
+    answer: bytes
+    answer_kept: bool
+    num_requests: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,6 +116,9 @@ class ServerStats:
     prefix_cache_enabled: bool = False
     prefix_hash: str = ""  # the page-key recipe's name
     origin: StateOrigin | None = None
+    num_dormant: int = 0  # adopted sessions not resumed yet
+    num_resumed: int = 0  # adopted sessions their clients resumed
+    num_not_resumed: int = 0  # adopted sessions ended because no client resumed them in time
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,6 +143,8 @@ class Sessions:
         *,
         quarantine_s: float | None = None,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
+        steplog: StepLog | None = None,
+        resume_s: float = 0.0,
     ) -> None:
         """Sessions over ``core``, built where the server is put together (its block
         table ``memory``'s, when there is one: the rows each step changes are synced to
@@ -146,6 +176,13 @@ class Sessions:
         self.num_pages_cached = 0  # pages steps inserted into the prefix cache
         self.sessions_ended: dict[str, int] = {}  # by why
         self.accepting = True  # False once shutdown starts: no new sessions
+        # --keep-state: each Step's answer is kept (steplog) before the Step is committed, and
+        # the last run's sessions wait resume_s for their clients (dormant, by id).
+        self.steplog = steplog
+        self.resume_s = resume_s
+        self.dormant: dict[str, Dormant] = {}
+        self.num_resumed = 0
+        self.num_not_resumed = 0
 
     # ---------------------------------------------------------------- sessions
 
@@ -180,6 +217,7 @@ class Sessions:
         session = Session(
             secrets.token_urlsafe(24), name or f"session-{owner}", owner, quota_pages, time.monotonic(), cache_namespace
         )
+        self.core.set_session(owner, session.session_id, session.name, quota_pages)
         self.by_id[session.session_id] = session
         log.info(
             "session attached name=%s index=%d quota_pages=%s cache_namespace=%r",
@@ -192,6 +230,13 @@ class Sessions:
         there is none (never attached, ended, or from an earlier server run)."""
         session = self.by_id.get(session_id)
         if session is None:
+            if session_id in self.dormant:
+                raise KVMemError(
+                    Reason.UNKNOWN_SESSION,
+                    f"session {_redact(session_id)} is of the last server run and waits to be resumed "
+                    f"(Attach with resume_session_id); this server's epoch is {self.epoch}",
+                    epoch=self.epoch,
+                )
             raise KVMemError(
                 Reason.UNKNOWN_SESSION,
                 f"unknown session {_redact(session_id)}: it ended (detach, lease expiry or a broken "
@@ -225,23 +270,73 @@ class Sessions:
         )  # fmt: skip
         return released
 
-    def end_adopted(self, why: str) -> None:
-        """An adopted core's owners have no session here (none resumes yet): end each
-        as a lapsed lease ends, its pages quarantined (its process may still write into
-        them), and keep the quarantines the last run left for as long again.
+    def adopt_sessions(self, adoption: Adoption, answers: dict[int, tuple[int, bytes | None]]) -> None:
+        """An adopted core's owners are the last run's sessions: each waits ``resume_s``
+        for its client (:meth:`resume`; ``answers``: the step log's, by owner), and is
+        then ended as a lapsed lease ends (:meth:`expire`). An owner with no session
+        (or with ``resume_s`` 0) ends now, its pages quarantined (its process may still
+        write into them); the quarantines the last run left are kept as long again.
         O(owners + their requests)."""
         now = time.monotonic()
+        known = {s.owner: s for s in adoption.sessions}
         for owner in self.core.owner_ids():
-            requests = int(self.core.slots_of(owner).size)
-            self.num_pages_released += self.core.pages_held(owner)
-            self.core.remove_owner(owner, quarantine=True)
-            log.info("adopted owner ended index=%d why=%s requests_released=%d", owner, why, requests)
+            adopted = known.get(owner)
+            if adopted is None or not adopted.session_id or self.resume_s <= 0:
+                requests = int(self.core.slots_of(owner).size)
+                self.num_pages_released += self.core.pages_held(owner)
+                self.core.remove_owner(owner, quarantine=True)
+                log.info("adopted owner ended index=%d requests_released=%d (no session to resume)", owner, requests)
+                continue
+            session = Session(
+                adopted.session_id, adopted.name, OwnerId(owner), adopted.quota_pages, now, adopted.cache_namespace,
+                adopted.applied_seq,
+            )  # fmt: skip
+            seq, answer = answers.get(owner, (-1, None))
+            kept = answer if seq == session.applied_seq else None
+            self.dormant[session.session_id] = Dormant(session, now + self.resume_s, kept)
         for owner in self.core.quarantine_owners():
             held = self.core.quarantined_pages(owner)
             self.quarantined[f"adopted-{owner}"] = Quarantine(
                 f"(adopted owner {owner})", OwnerId(owner), now + self.quarantine_s
             )
             log.info("adopted quarantine index=%d pages=%d for %.1fs", owner, held, self.quarantine_s)
+        if self.dormant:
+            log.info("%d session(s) of the last run may resume within %.1fs", len(self.dormant), self.resume_s)
+
+    def resume(self, session_id: str) -> Resumed:
+        """The client of a session of the last run (:meth:`adopt_sessions`) is back:
+        the session is live again with its requests, rows and lengths; it is told the
+        number of its last Step applied and, if kept, that Step's answer. A live
+        session's resume (its client's earlier resume answer was lost) says the same
+        without the answer. UNKNOWN_SESSION when there is none to resume. O(1)."""
+        if not self.accepting:
+            raise KVMemError(Reason.SHUTTING_DOWN, "the server is shutting down: no session resumes")
+        dormant = self.dormant.pop(session_id, None)
+        if dormant is None:
+            live = self.by_id.get(session_id)
+            if live is None:
+                raise KVMemError(
+                    Reason.UNKNOWN_SESSION,
+                    f"no session {_redact(session_id)} to resume: its resume window "
+                    f"(--resume-ms {self.resume_s * 1000:.0f}) passed, it ended, or this server kept no state "
+                    f"of it; attach anew (this server's epoch is {self.epoch})",
+                    epoch=self.epoch,
+                )
+            live.last_seen = time.monotonic()
+            return Resumed(live, live.applied_seq, b"", False, int(self.core.slots_of(live.owner).size))
+        session = dormant.session
+        session.last_seen = time.monotonic()
+        self.by_id[session_id] = session
+        self.num_resumed += 1
+        requests = int(self.core.slots_of(session.owner).size)
+        waited = dormant.until - self.resume_s
+        log.info(
+            "session resumed name=%s index=%d requests=%d pages=%d applied_seq=%d after %.0f ms",
+            session.name, session.owner, requests, self.core.pages_held(session.owner), session.applied_seq,
+            1000 * (session.last_seen - waited),
+        )  # fmt: skip
+        answer = dormant.answer
+        return Resumed(session, session.applied_seq, answer or b"", answer is not None, requests)
 
     def expire(self, now: float | None = None) -> list[str]:
         """End every session idle for longer than the lease, its pages quarantined (its
@@ -251,6 +346,12 @@ class Sessions:
         stale = [s.session_id for s in self.by_id.values() if now - s.last_seen > self.lease_s]
         for session_id in stale:
             self.end(session_id, "lease expired", quarantine=True, now=now)
+        for session_id in [k for k, d in self.dormant.items() if d.until <= now]:
+            session = self.dormant.pop(session_id).session
+            self.by_id[session_id] = session  # ended as a lapsed lease ends
+            self.end(session_id, "not resumed in time", quarantine=True, now=now)
+            self.num_not_resumed += 1
+            stale.append(session_id)
         for session_id in [k for k, q in self.quarantined.items() if q.until <= now]:
             self._unquarantine(session_id, "the quarantine period passed")
         return stale
@@ -278,9 +379,39 @@ class Sessions:
     def open(self, session_id: str, request_ids: Sequence[str]) -> np.ndarray:
         return self.core.open(self.session(session_id).owner, request_ids)
 
-    def step(self, session_id: str, batch: StepBatch) -> StepResult:
+    def step(
+        self, session_id: str, batch: StepBatch, seq: int = 0, answer: Callable[[StepResult, int], Any] | None = None
+    ) -> Any:
+        """Apply one Step of the session: its result, or ``answer(result)`` (the
+        response message) when given. Steps are numbered per session: ``seq`` is the
+        next number (its last applied + 1), or 0 to have it numbered here; another is
+        refused (BAD_VALUE, naming the number expected). With a step log the answer is
+        kept in it before the Step is committed (see :mod:`kvmem.server.core.undo`):
+        after a crash, a Step is either undone or applied with its answer kept."""
         session = self.session(session_id)
-        result = self.core.step(session.owner, batch, session.quota_pages)
+        expected = session.applied_seq + 1
+        if seq and seq != expected:
+            raise KVMemError(
+                Reason.BAD_VALUE,
+                f"Step number {seq} is not this session's next: its last applied Step is {session.applied_seq}, "
+                f"so the next is {expected} (a resumed session is told which)",
+                seq=seq,
+                expected=expected,
+            )
+        core = self.core
+        result = core.step(session.owner, batch, session.quota_pages, expected)
+        try:
+            out: Any = result if answer is None else answer(result, expected)
+            if self.steplog is not None and answer is not None:  # the answer is a message
+                record = core.slots.owner(session.owner).record
+                self.steplog.write(record, session.owner, expected, out.SerializeToString())
+            if crash.armed:
+                crash.at("before-commit")
+        finally:  # applied here, answered or not
+            core.commit(expected)
+            session.applied_seq = expected
+        if crash.armed:
+            crash.at("after-commit")
         self.num_steps += 1
         self.num_pages_allocated += result.new_pages.size
         self.num_pages_released += result.num_pages_released
@@ -292,7 +423,7 @@ class Sessions:
                 self.alloc_items[value] += n
         if self._sync_memory is not None:
             self._sync_changed_rows(batch, result)
-        return result
+        return out
 
     def _sync_changed_rows(self, batch: StepBatch, result: StepResult) -> None:
         """Rows that changed: released and truncated ones, allocs that took pages (a
@@ -320,7 +451,7 @@ class Sessions:
         uptime = time.monotonic() - self._started
         return ServerStats(
             pool, tuple(rows), audit_report, self.num_steps, uptime, core.prefix_enabled, core.page_keys.name,
-            self.origin,
+            self.origin, len(self.dormant), self.num_resumed, self.num_not_resumed,
         )  # fmt: skip
 
 

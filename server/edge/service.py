@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvmem.cli.version import version
+from kvmem.server.core import StepResult
 from kvmem.server.edge.guard import Guard, stream, unary
 from kvmem.server.edge.handlers import register
 from kvmem.server.edge.wire import carries_prefix, refused_step, stats_response, step_batch, step_response
@@ -78,9 +79,14 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
     def Attach(self, request: kvmem_pb2.AttachRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.AttachResponse:
         quota = request.quota_pages if request.HasField("quota_pages") else None
         sessions = self.sessions
-        session = sessions.attach(request.name, quota, request.cache_namespace)
+        resumed = None
+        if request.resume_session_id:
+            resumed = sessions.resume(request.resume_session_id)
+            session = resumed.session
+        else:
+            session = sessions.attach(request.name, quota, request.cache_namespace)
         core = sessions.core
-        return kvmem_pb2.AttachResponse(
+        response = kvmem_pb2.AttachResponse(
             epoch=sessions.epoch,
             session_id=session.session_id,
             lease_ms=int(sessions.lease_s * 1000),
@@ -89,7 +95,14 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
             prefix_cache=kvmem_pb2.PrefixCacheInfo(
                 enabled=core.prefix_enabled, hash=core.page_keys.name, cache_namespace=session.cache_namespace
             ),
+            resume_ms=int(sessions.resume_s * 1000) if sessions.steplog is not None else 0,
         )
+        if resumed is not None:
+            response.resumed.applied_seq = resumed.applied_seq
+            response.resumed.last_step_answer = resumed.answer
+            response.resumed.answer_kept = resumed.answer_kept
+            response.resumed.num_requests = resumed.num_requests
+        return response
 
     @unary
     def Detach(self, request: kvmem_pb2.DetachRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.DetachResponse:
@@ -111,8 +124,12 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         prefix = carries_prefix(request)  # decided once: the batch's columns and the response's fields
         batch = step_batch(request, prefix)
         sessions = self.sessions  # a property (NOT_READY before the pool exists): read once
-        result = sessions.step(request.session_id, batch)
-        return step_response(result, sessions.epoch, sessions.core.pool.num_free, prefix)
+        pool = sessions.core.pool
+
+        def answer(result: StepResult, seq: int) -> kvmem_pb2.StepResponse:
+            return step_response(result, sessions.epoch, pool.num_free, prefix, seq)
+
+        return sessions.step(request.session_id, batch, request.seq, answer)
 
     @unary
     def Stats(self, request: kvmem_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.StatsResponse:

@@ -24,7 +24,7 @@ from kvmem.server.core import CoreConfig, StepBatch, StepResult
 from kvmem.server.core.batch import TokenLists
 from kvmem.server.errors import ErrorKind, KVMemError, Reason
 from kvmem.server.memory import HandleInfo, KVGeometry
-from kvmem.server.sessions import ServerStats, StateOrigin
+from kvmem.server.sessions import ServerStats
 from kvmem.v1 import kvmem_pb2
 
 ERROR_DOMAIN = "kvmem.v1"
@@ -251,7 +251,9 @@ def _prefix_columns(request: kvmem_pb2.StepRequest, batch: StepBatch) -> None:
     batch.match_max_tokens = array(limits) if len(limits) else None
 
 
-def step_response(result: StepResult, epoch: str, num_free_pages: int, prefix: bool) -> kvmem_pb2.StepResponse:
+def step_response(
+    result: StepResult, epoch: str, num_free_pages: int, prefix: bool, seq: int = 0
+) -> kvmem_pb2.StepResponse:
     """The StepResponse of an applied step; the prefix-cache fields only where the request
     carried prefix items (``prefix``: :func:`carries_prefix`; a decode step's allocs may
     still evict: that count is always set)."""
@@ -265,6 +267,7 @@ def step_response(result: StepResult, epoch: str, num_free_pages: int, prefix: b
         num_pages_released=result.num_pages_released,
         num_free_pages=num_free_pages,
         num_pages_evicted=result.num_pages_evicted,
+        seq=seq,
     )
     if prefix:
         resp.match_lens = le_bytes(result.match_lens.astype(np.int32, copy=False))
@@ -325,11 +328,12 @@ def stats_response(
         prefix_cache_enabled=stats.prefix_cache_enabled,
         prefix_hash=stats.prefix_hash,
         num_cache_entries=pool.num_cache_entries,
-        origin=_origin(stats.origin),
+        origin=_origin(stats),
     )
 
 
-def _origin(origin: StateOrigin | None) -> kvmem_pb2.StateOrigin:
+def _origin(stats: ServerStats) -> kvmem_pb2.StateOrigin:
+    origin = stats.origin
     if origin is None:
         return kvmem_pb2.StateOrigin(kind="fresh")
     out = kvmem_pb2.StateOrigin(kind=origin.kind, adopt_ms=origin.adopt_ms)
@@ -338,4 +342,6 @@ def _origin(origin: StateOrigin | None) -> kvmem_pb2.StateOrigin:
         out.owners, out.requests, out.pages_in_rows = a.owners, a.requests, a.pages_in_rows
         out.cached_pages, out.quarantined_pages = a.cached_pages, a.quarantined_pages
         out.repaired.extend(a.repaired)
+        out.sessions, out.undone = len([s for s in a.sessions if s.session_id]), a.undone
+        out.resumed, out.not_resumed, out.waiting = stats.num_resumed, stats.num_not_resumed, stats.num_dormant
     return out

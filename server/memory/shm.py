@@ -33,7 +33,7 @@ _ID_RE = r"(\d+-[0-9a-f]{16})"
 
 
 def _file_re(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}-{_ID_RE}(\.kv|\.bt|\.st|\.lock)$")
+    return re.compile(rf"^{re.escape(prefix)}-{_ID_RE}(\.kv|\.bt|\.st|\.sl|\.lock)$")
 
 
 def _check_prefix(prefix: str) -> None:
@@ -197,6 +197,7 @@ class ShmBackend(MemoryBackend):
         keep: str | None = None,
         discard: bool = False,
         state_bytes: int = 0,
+        log_bytes: int = 0,
     ) -> None:
         _check_prefix(prefix)
         if mode & ~0o660 or mode & 0o600 != 0o600:
@@ -218,9 +219,13 @@ class ShmBackend(MemoryBackend):
         self.block_table_path = base + ".bt"
         self.lock_path = base + ".lock"
         self.state_path = base + ".st" if keep is not None else None
+        # The step log (kvmem.server.steplog), beside the state: sparse, never reserved (a
+        # region per session, mostly untouched).
+        self.log_path = base + ".sl" if keep is not None else None
         sizes = {self.kv_path: kv_bytes, self.block_table_path: bt_bytes}
-        if self.state_path is not None:
+        if self.state_path is not None and self.log_path is not None:
             sizes[self.state_path] = state_bytes
+            sizes[self.log_path] = log_bytes
         # Unlinked in this order: data first, the lock last (see remove_stale); a kept state never.
         self._finalizer = weakref.finalize(
             self, _close_shm_files, (*sizes, self.lock_path), lock_fd, os.getpid(), keep is not None
@@ -234,7 +239,8 @@ class ShmBackend(MemoryBackend):
                 # Checked in both modes: refused before fallocate, which on a file system without
                 # native support would write its way to ENOSPC.
                 self._check_space(self._needed)
-            maps = {path: self._map_existing(path, size) if self.adopted else self._create_and_map(path, size, reserve)
+            maps = {path: self._map_existing(path, size) if self.adopted
+                    else self._create_and_map(path, size, reserve and path != self.log_path)
                     for path, size in sizes.items()}  # fmt: skip
         except BaseException:
             self._finalizer()
@@ -242,6 +248,7 @@ class ShmBackend(MemoryBackend):
         kv_map, bt_map = maps[self.kv_path], maps[self.block_table_path]
         # The state image's mapping (--keep-state): the core keeps its state there.
         self.state: mmap.mmap | None = None if self.state_path is None else maps[self.state_path]
+        self.step_log: mmap.mmap | None = None if self.log_path is None else maps[self.log_path]
         # The KV bytes, flat (the server sizes them but never reads them); this array and
         # block_table keep the two mappings alive. None once closed.
         self._kv_raw: np.ndarray | None = np.frombuffer(kv_map, dtype=np.uint8)

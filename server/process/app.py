@@ -39,6 +39,7 @@ from kvmem.server.process.startup import (
 )
 from kvmem.server.process.tuning import keep_freed_memory
 from kvmem.server.sessions import Sessions, StateOrigin
+from kvmem.server.steplog import StepLog
 from kvmem.v1 import kvmem_pb2
 
 log = logging.getLogger("kvmem.server")
@@ -118,7 +119,11 @@ class KVMemServer:
         waited = False
         while True:
             try:
-                memory = allocate(cfg, pool, devices, 0 if self._layout is None else self._layout.size)
+                layout = self._layout
+                memory = allocate(
+                    cfg, pool, devices, 0 if layout is None else layout.size,
+                    0 if layout is None else StepLog.size(layout.max_owners),
+                )  # fmt: skip
             except MemoryNotYet as exc:
                 left = deadline - loop.time()
                 if left <= 0:
@@ -206,12 +211,16 @@ class KVMemServer:
         cfg = self.config
         assert self.service is not None
         core = self._core(core_cfg, page_keys)
+        log_buffer = getattr(self.memory, "step_log", None)
+        steplog = None if log_buffer is None or self._layout is None else StepLog(log_buffer, self._layout.max_owners)
         self.sessions = Sessions(
-            core, cfg.lease_s, self.memory, quarantine_s=cfg.quarantine_s, max_sessions=cfg.max_sessions
-        )
-        if self.adoption is not None:  # no session of the last run resumes (yet): their requests end, quarantined
+            core, cfg.lease_s, self.memory, quarantine_s=cfg.quarantine_s, max_sessions=cfg.max_sessions,
+            steplog=steplog, resume_s=cfg.resume_window_s,
+        )  # fmt: skip
+        if self.adoption is not None:  # the last run's sessions wait for their clients to resume them
+            assert steplog is not None
             self.sessions.origin = StateOrigin("adopted", self.adoption, self._adopt_ms)
-            self.sessions.end_adopted("adopted from the kept state")
+            self.sessions.adopt_sessions(self.adoption, steplog.answers())
         self.events = EventLog(
             self.sessions.epoch,
             core_cfg.page_size,
@@ -365,12 +374,15 @@ class KVMemServer:
         log.info("shutting down: readiness NOT_SERVING, no new sessions; draining for up to %.1fs", cfg.drain_s)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.sessions.accepting = False
-        await self._drain(cfg.drain_s)
+        if cfg.keep_state:  # the sessions stay, to resume on the next run: nothing to drain
+            log.info("--keep-state: %d session(s) kept for the next run to resume", len(self.sessions.by_id))
+        else:
+            await self._drain(cfg.drain_s)
         self.guard.stop()  # from here every call is refused (UNAVAILABLE); session streams waiting end now
         self._close_events()  # watch streams end now (UNAVAILABLE), not after the grace period
         if self._reaper is not None:
             self._reaper.cancel()
-        for session_id in list(self.sessions.by_id):
+        for session_id in [] if cfg.keep_state else list(self.sessions.by_id):
             self.sessions.end(session_id, "server shutdown")
         await self.grpc_server.stop(cfg.shutdown_grace_s)
         if self.metrics_server is not None:

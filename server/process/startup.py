@@ -89,6 +89,7 @@ class ServerConfig:
     audit_every_step: bool = False  # the full audit after every step (tests, debugging)
     keep_state: bool = False  # keep the KV memory and the core's state across restarts (shm)
     discard_state: bool = False  # with keep_state: drop a kept state instead of adopting it
+    resume_s: float | None = None  # with keep_state: how long the last run's sessions may resume; None: 3 leases
     # The prefix cache and its events.
     prefix_cache: bool = True
     prefix_hash: str = "xxh3-128"  # the page-key recipe (kvmem.server.core.hashing.RECIPES)
@@ -97,6 +98,11 @@ class ServerConfig:
     kv_events_zmq: str | None = None  # a ZMQ endpoint to publish vLLM-format KV events on; None: off
     kv_events_replay: str | None = None  # the ZMQ ROUTER endpoint that replays them; None: off
     kv_events_topic: str = ""  # the ZMQ topic of the published events
+
+    @property
+    def resume_window_s(self) -> float:
+        """How long the last run's sessions may resume (--resume-ms; default three leases)."""
+        return 3 * self.lease_s if self.resume_s is None else self.resume_s
 
     def geometry(self) -> KVGeometry:
         return KVGeometry(
@@ -157,9 +163,12 @@ def cuda_backend(cfg: ServerConfig) -> type[CudaBackend]:
     return CudaBackend
 
 
-def allocate(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ...], state_bytes: int = 0) -> MemoryBackend | None:
+def allocate(
+    cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ...], state_bytes: int = 0, log_bytes: int = 0
+) -> MemoryBackend | None:
     """The KV memory of a planned pool (shm files or GPU allocations), or None for --device none;
-    with --keep-state, the kept state's files (``state_bytes``: the core's state image)."""
+    with --keep-state, the kept state's files (``state_bytes``: the core's state image;
+    ``log_bytes``: the step log)."""
     if cfg.device == "none" and not devices:
         return None
     try:
@@ -173,7 +182,7 @@ def allocate(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ...], state_
         try:
             return ShmBackend(
                 pool, cfg.shm_dir, mode=cfg.socket_mode, gid=access_gid(cfg), keep=keep,
-                discard=cfg.discard_state, state_bytes=state_bytes,
+                discard=cfg.discard_state, state_bytes=state_bytes, log_bytes=log_bytes,
             )  # fmt: skip
         except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
             raise StartupError(f"--shm-dir {cfg.shm_dir}: {exc}") from None
@@ -358,6 +367,10 @@ def check_config(
         raise StartupError(f"--drain-ms must be >= 0, got {cfg.drain_s * 1000:g}")
     if cfg.start_timeout_s < 0:
         raise StartupError(f"--start-timeout-ms must be >= 0, got {cfg.start_timeout_s * 1000:g}")
+    if cfg.resume_s is not None and cfg.resume_s < 0:
+        raise StartupError(f"--resume-ms must be >= 0, got {cfg.resume_s * 1000:g}")
+    if cfg.resume_s is not None and not cfg.keep_state:
+        raise StartupError("--resume-ms is the window for sessions kept by --keep-state: give --keep-state too")
     if cfg.quarantine_s is not None and cfg.quarantine_s < 0:
         raise StartupError(f"--quarantine-ms must be >= 0, got {cfg.quarantine_s * 1000:g}")
     if cfg.max_sessions < 1:

@@ -144,30 +144,48 @@ class MemoryHandle(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("name", "quota_pages", "cache_namespace")
+    __slots__ = ("name", "quota_pages", "cache_namespace", "resume_session_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     QUOTA_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     quota_pages: int
     cache_namespace: str
-    def __init__(self, name: _Optional[str] = ..., quota_pages: _Optional[int] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
+    resume_session_id: str
+    def __init__(self, name: _Optional[str] = ..., quota_pages: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., resume_session_id: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("epoch", "session_id", "lease_ms", "geometry", "memory", "prefix_cache")
+    __slots__ = ("epoch", "session_id", "lease_ms", "geometry", "memory", "prefix_cache", "resume_ms", "resumed")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_MS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     session_id: str
     lease_ms: int
     geometry: PoolGeometry
     memory: _containers.RepeatedCompositeFieldContainer[MemoryHandle]
     prefix_cache: PrefixCacheInfo
-    def __init__(self, epoch: _Optional[str] = ..., session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[MemoryHandle, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ...) -> None: ...
+    resume_ms: int
+    resumed: ResumedSession
+    def __init__(self, epoch: _Optional[str] = ..., session_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., memory: _Optional[_Iterable[_Union[MemoryHandle, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ..., resume_ms: _Optional[int] = ..., resumed: _Optional[_Union[ResumedSession, _Mapping]] = ...) -> None: ...
+
+class ResumedSession(_message.Message):
+    __slots__ = ("applied_seq", "last_step_answer", "answer_kept", "num_requests")
+    APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_KEPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    applied_seq: int
+    last_step_answer: bytes
+    answer_kept: bool
+    num_requests: int
+    def __init__(self, applied_seq: _Optional[int] = ..., last_step_answer: _Optional[bytes] = ..., answer_kept: _Optional[bool] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheInfo(_message.Message):
     __slots__ = ("enabled", "hash", "cache_namespace")
@@ -222,7 +240,7 @@ class OpenResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens", "atomic", "release_token_ids", "release_token_offsets", "cache_slots", "cache_token_ids", "cache_token_offsets", "match_slots", "match_token_ids", "match_token_offsets", "match_max_tokens", "release_slots_i32", "truncate_slots_i32", "truncate_lens_i32", "alloc_slots_i32", "alloc_needs_i32", "alloc_expected_lens_i32")
+    __slots__ = ("session_id", "release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens", "atomic", "release_token_ids", "release_token_offsets", "cache_slots", "cache_token_ids", "cache_token_offsets", "match_slots", "match_token_ids", "match_token_offsets", "match_max_tokens", "release_slots_i32", "truncate_slots_i32", "truncate_lens_i32", "alloc_slots_i32", "alloc_needs_i32", "alloc_expected_lens_i32", "seq")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +264,7 @@ class StepRequest(_message.Message):
     ALLOC_SLOTS_I32_FIELD_NUMBER: _ClassVar[int]
     ALLOC_NEEDS_I32_FIELD_NUMBER: _ClassVar[int]
     ALLOC_EXPECTED_LENS_I32_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     release_slots: _containers.RepeatedScalarFieldContainer[int]
     truncate_slots: _containers.RepeatedScalarFieldContainer[int]
@@ -269,10 +288,11 @@ class StepRequest(_message.Message):
     alloc_slots_i32: bytes
     alloc_needs_i32: bytes
     alloc_expected_lens_i32: bytes
-    def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ..., release_token_ids: _Optional[bytes] = ..., release_token_offsets: _Optional[bytes] = ..., cache_slots: _Optional[_Iterable[int]] = ..., cache_token_ids: _Optional[bytes] = ..., cache_token_offsets: _Optional[bytes] = ..., match_slots: _Optional[_Iterable[int]] = ..., match_token_ids: _Optional[bytes] = ..., match_token_offsets: _Optional[bytes] = ..., match_max_tokens: _Optional[_Iterable[int]] = ..., release_slots_i32: _Optional[bytes] = ..., truncate_slots_i32: _Optional[bytes] = ..., truncate_lens_i32: _Optional[bytes] = ..., alloc_slots_i32: _Optional[bytes] = ..., alloc_needs_i32: _Optional[bytes] = ..., alloc_expected_lens_i32: _Optional[bytes] = ...) -> None: ...
+    seq: int
+    def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ..., release_token_ids: _Optional[bytes] = ..., release_token_offsets: _Optional[bytes] = ..., cache_slots: _Optional[_Iterable[int]] = ..., cache_token_ids: _Optional[bytes] = ..., cache_token_offsets: _Optional[bytes] = ..., match_slots: _Optional[_Iterable[int]] = ..., match_token_ids: _Optional[bytes] = ..., match_token_offsets: _Optional[bytes] = ..., match_max_tokens: _Optional[_Iterable[int]] = ..., release_slots_i32: _Optional[bytes] = ..., truncate_slots_i32: _Optional[bytes] = ..., truncate_lens_i32: _Optional[bytes] = ..., alloc_slots_i32: _Optional[bytes] = ..., alloc_needs_i32: _Optional[bytes] = ..., alloc_expected_lens_i32: _Optional[bytes] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted", "error")
+    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted", "error", "seq")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALLOC_STATUS_FIELD_NUMBER: _ClassVar[int]
     KV_LOC_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +306,7 @@ class StepResponse(_message.Message):
     NUM_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_EVICTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     alloc_status: bytes
     kv_loc: bytes
@@ -299,7 +320,8 @@ class StepResponse(_message.Message):
     num_pages_cached: int
     num_pages_evicted: int
     error: _status_pb2.Status
-    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+    seq: int
+    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("audit",)
@@ -392,7 +414,7 @@ class StatsResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ..., origin: _Optional[_Union[StateOrigin, _Mapping]] = ...) -> None: ...
 
 class StateOrigin(_message.Message):
-    __slots__ = ("kind", "owners", "requests", "pages_in_rows", "cached_pages", "quarantined_pages", "repaired", "adopt_ms")
+    __slots__ = ("kind", "owners", "requests", "pages_in_rows", "cached_pages", "quarantined_pages", "repaired", "adopt_ms", "sessions", "resumed", "not_resumed", "waiting", "undone")
     KIND_FIELD_NUMBER: _ClassVar[int]
     OWNERS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +423,11 @@ class StateOrigin(_message.Message):
     QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     REPAIRED_FIELD_NUMBER: _ClassVar[int]
     ADOPT_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    NOT_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    UNDONE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     owners: int
     requests: int
@@ -409,7 +436,12 @@ class StateOrigin(_message.Message):
     quarantined_pages: int
     repaired: _containers.RepeatedScalarFieldContainer[str]
     adopt_ms: float
-    def __init__(self, kind: _Optional[str] = ..., owners: _Optional[int] = ..., requests: _Optional[int] = ..., pages_in_rows: _Optional[int] = ..., cached_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., repaired: _Optional[_Iterable[str]] = ..., adopt_ms: _Optional[float] = ...) -> None: ...
+    sessions: int
+    resumed: int
+    not_resumed: int
+    waiting: int
+    undone: str
+    def __init__(self, kind: _Optional[str] = ..., owners: _Optional[int] = ..., requests: _Optional[int] = ..., pages_in_rows: _Optional[int] = ..., cached_pages: _Optional[int] = ..., quarantined_pages: _Optional[int] = ..., repaired: _Optional[_Iterable[str]] = ..., adopt_ms: _Optional[float] = ..., sessions: _Optional[int] = ..., resumed: _Optional[int] = ..., not_resumed: _Optional[int] = ..., waiting: _Optional[int] = ..., undone: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("from_seq", "epoch")
