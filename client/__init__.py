@@ -33,6 +33,7 @@ _WHERE = {
     "EventStream": "kvmem.client.events",
     "AsyncEventStream": "kvmem.client.events",
     "MappedMemory": "kvmem.client.memory",
+    "Resumed": "kvmem.client.resume",  # what on_resumed is told
     "KVAllocator": "kvmem.client.compat",  # the reference allocator's interface (a drop-in)
     "TLSError": "kvmem.client.channel",  # an Unavailable: the connection failed for a reason of TLS
     **{
@@ -72,6 +73,7 @@ __all__ = [
     "NoFreeRequestSlot",
     "NotFound",
     "Reason",
+    "Resumed",
     "SessionLost",
     "StepResult",
     "TLSError",

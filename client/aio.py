@@ -23,7 +23,7 @@ from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 from .base import ClientBase
 from .channel import deadline_exceeded
-from .errors import KVMemError, SessionLost
+from .errors import KVMemError, SessionLost, from_rpc_error
 from .events import AsyncEventStream, watch_request
 from .session import Call
 from .step import NO_COLUMN, CacheItems, IntsLike, MatchItems, StepResult, TokenLists, TokensLike
@@ -51,6 +51,8 @@ class AsyncKVMemClient(ClientBase):
         self._keepalive_task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._steps: AsyncStepStream | None = None  # opened at the first Step (step_stream)
+        self._step_serial = asyncio.Lock()  # a Step is numbered and sent (and resent) under it
+        self._resume_lock = asyncio.Lock()  # one resume at a time (a call's or the keep-alive's)
 
     @classmethod
     async def connect(cls, target: str, **kwargs: Any) -> AsyncKVMemClient:
@@ -141,6 +143,60 @@ class AsyncKVMemClient(ClientBase):
     detach.__doc__ = KVMemClient.detach.__doc__
 
     async def _perform(self, call: Call[T]) -> T:
+        """Make ``call`` (:meth:`_perform_once`), resuming the session when the server
+        went away and it may be (as the blocking client's ``_perform``). Steps are
+        numbered and sent one at a time."""
+        if call.method != "Step":
+            return await self._perform_resuming(call)
+        async with self._step_serial:
+            return await self._perform_resuming(call)
+
+    async def _perform_resuming(self, call: Call[T]) -> T:
+        session = self._session
+        while True:
+            session.number(call)
+            seen = session.epoch
+            try:
+                return await self._perform_once(call)
+            except KVMemError as err:
+                if call.method == "Attach" or not session.resumable(err):
+                    session.step_failed(call, err)
+                    raise
+            await self._resume(seen)
+            if call.method == "Step":
+                answer = session.step_fate(call)
+                if answer is not None:
+                    return session.finish(call, answer)
+
+    async def _resume(self, seen_epoch: str) -> None:
+        """Resume the session on the server's next run unless it already was (the
+        epoch is no longer ``seen_epoch``); SessionLost when it cannot be."""
+        session = self._session
+        async with self._resume_lock:
+            if session.lost is not None:
+                raise session.lost.with_traceback(None)
+            if session.epoch != seen_epoch:
+                return
+            while True:
+                call = session.resume_call()
+                try:
+                    response = await self._stub.Attach(call.request, timeout=call.timeout, metadata=session.metadata)
+                    session.finish(call, response)
+                    break
+                except grpc.RpcError as rpc_err:
+                    err = from_rpc_error(rpc_err)
+                except KVMemError as kv_err:
+                    err = kv_err
+                delay = session.resume_retry(err)
+                if delay is None:
+                    lost = session.resume_failed(err)
+                    await self._stop_keepalive()
+                    raise lost from None
+                await asyncio.sleep(delay)
+            self._close_steps()  # the old stream went with the old server
+            session.resumed()
+
+    async def _perform_once(self, call: Call[T]) -> T:
         """Make ``call`` the way :meth:`kvmem.client.session.Session.route` says, and
         hand its answer to the session to read."""
         try:
@@ -157,7 +213,8 @@ class AsyncKVMemClient(ClientBase):
                 raise self._failure(call, err) from None
             return self._session.finish(call, response)
         except SessionLost:
-            await self._stop_keepalive()  # over for this client: closing the stream tells the server it let go
+            if self._session.lost is not None:
+                await self._stop_keepalive()  # over for this client: closing the stream tells the server it let go
             raise
         finally:
             if call.ends_session:
@@ -234,6 +291,20 @@ class AsyncKVMemClient(ClientBase):
         await self.close()
 
     async def _keepalive(self) -> None:
+        """The keep-alive stream, and again after each resume (this task resumes the
+        session when the server went away and it may be)."""
+        session = self._session
+        while True:
+            seen = session.epoch
+            if not await self._keepalive_stream():
+                return
+            try:
+                await self._resume(seen)
+            except KVMemError:
+                return  # lost: the next call raises it
+
+    async def _keepalive_stream(self) -> bool:
+        """One keep-alive stream, to its end; True when the session is to be resumed."""
         first, later = self._session.keepalive_requests()
         interval = self._session.keepalive_interval
 
@@ -255,12 +326,11 @@ class AsyncKVMemClient(ClientBase):
             async for _ in call:
                 session.keepalive_answered()
         except grpc.RpcError as err:
-            self._session.keepalive_ended(err, self._closing.is_set())
+            return self._session.keepalive_ended(err, self._closing.is_set())
         except asyncio.CancelledError:
             call.cancel()
             raise
-        else:
-            self._session.keepalive_ended(None, self._closing.is_set())
+        return self._session.keepalive_ended(None, self._closing.is_set())
 
     async def _stop_keepalive(self) -> None:
         self._closing.set()

@@ -21,6 +21,7 @@ from kvmem.v1 import kvmem_pb2
 from .channel import PemSource, transport
 from .errors import KVMemError, SessionLost
 from .memory import KVLayer, MappedMemory
+from .resume import Resumed
 from .session import Call, Session, checked_timeout
 
 
@@ -55,7 +56,18 @@ class ClientBase:
     first, with the same results and errors as the unary ``Step`` and no call set-up per
     step; off, each Step is a unary call (see :mod:`kvmem.client.stepstream`). Steps of
     one client go one at a time on the stream (threads of the blocking client wait
-    their turn)."""
+    their turn).
+
+    Resuming: when the server keeps its state (``kvmem serve --keep-state``; Attach's
+    ``resume_ms`` > 0) and goes away (a crash, a restart), the client resumes its session
+    on the server's next run by itself: the call that found the server gone (or the
+    keep-alive) waits for it, re-attaches with the session's id, and goes on. The
+    requests, their rows and their K/V are as they were (the same memory: the views
+    stay valid); a Step that was in flight is answered with its kept answer if the
+    server applied it, else sent again (Steps are numbered per session). It logs one
+    line and calls ``on_resumed`` (:class:`kvmem.client.Resumed`); :class:`SessionLost`
+    is raised only when the resume is refused or ``resume_ms`` plus ``timeout`` pass
+    without a server."""
 
     target: str
     """The server's address as the channel takes it: ``unix:/path`` or ``HOST:PORT``."""
@@ -72,6 +84,7 @@ class ClientBase:
         auth_token: str | None = None,
         keepalive: bool = True,
         on_views_stale: Callable[[SessionLost], None] | None = None,
+        on_resumed: Callable[[Resumed], None] | None = None,
         cache_namespace: str = "",
         wait_for_ready: bool = True,
         tls_ca: PemSource | bool | None = None,
@@ -96,6 +109,7 @@ class ClientBase:
         )
         self._on_views_stale = on_views_stale
         self._session.on_views_stale = self._views_stale
+        self._session.on_resumed = on_resumed
         self._setup()
 
     def _setup(self) -> None:
@@ -133,6 +147,17 @@ class ClientBase:
     def epoch(self) -> str:
         """The server run the session lives in (empty until attached)."""
         return self._session.epoch
+
+    @property
+    def num_resumes(self) -> int:
+        """How many times the session was resumed after its server restarted."""
+        return self._session.num_resumes
+
+    @property
+    def resume_ms(self) -> int:
+        """How long after a restart the server lets this session resume (0: it keeps
+        no state; a restart loses the session)."""
+        return self._session.resume_ms
 
     @property
     def lease_ms(self) -> int:

@@ -26,6 +26,11 @@ from .errors import KVMemError, Unavailable
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    # A sidecar that restarts (--keep-state: its sessions resume) is back within seconds:
+    # reconnect at most a second apart, not gRPC's default of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
 PemSource = str | bytes | os.PathLike[str]  # a path, or the PEM text itself (bytes)

@@ -23,7 +23,8 @@ from google.protobuf.message import Message
 from kvmem.v1 import kvmem_pb2
 
 from .channel import BIG_REQUEST_BYTES, TLSError, auth_metadata
-from .errors import KVMemError, Reason, SessionLost, from_rpc_error, from_status
+from .errors import KVMemError, Reason, SessionLost, Unavailable, from_rpc_error, from_status
+from .resume import Resuming
 from .step import (
     NO_COLUMN,
     CacheItems,
@@ -38,6 +39,7 @@ from .step import (
 
 _UNREACHABLE: Reason = Reason["UNSPECIFIED"]  # gRPC's own UNAVAILABLE: no server there (yet)
 _NOT_READY: Reason = Reason["NOT_READY"]
+
 
 T = TypeVar("T")
 Route = Literal["stream", "bounded", "unary"]  # how a client makes a call: see Session.route
@@ -87,7 +89,7 @@ class Call(Generic[T]):
         self.sent_at = time.monotonic()
 
 
-class Session:
+class Session(Resuming):
     """One session's state and logic, without I/O. ``lost`` is why the session ended
     (detached, keep-alive broken, server restarted); every later call raises it.
     ``step_stream``: the Steps go on the client's step stream (else unary calls)."""
@@ -130,6 +132,7 @@ class Session:
         self.on_views_stale: Callable[[SessionLost], None] | None = None
         self.views_dropped = False
         self._attach_tries = 0  # Attaches retried so far (see attach_retry)
+        self._init_resuming()  # the server keeps its state: see kvmem.client.resume
 
     # ------------------------------------------------------------------ calls
 
@@ -167,6 +170,7 @@ class Session:
         self.geometry = resp.geometry
         self.memory_handles = list(resp.memory)
         self.prefix_cache = resp.prefix_cache
+        self.resume_ms = resp.resume_ms
 
     def open(self, request_ids: list[str], *, timeout: float | None = None) -> Call[torch.Tensor]:
         """The Open of ``open``: slots (int32) for ``request_ids``."""
@@ -301,7 +305,9 @@ class Session:
         (docs/DESIGN.md, Leases and fencing), so writing K/V through that answer could land in someone else's
         pages."""
         epoch = response.epoch
-        if epoch and self.epoch and epoch != self.epoch:
+        if epoch and self.epoch and epoch != self.epoch and call.method != "Attach":
+            if self.resume_ms > 0 and self.lost is None:
+                raise Unavailable(grpc.StatusCode.UNAVAILABLE, UNSPECIFIED, f"the server restarted (epoch {epoch})")
             restarted = SessionLost(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 UNSPECIFIED,
@@ -328,6 +334,10 @@ class Session:
         value = call.read(response)
         if not call.fenced:  # after the read: Attach's sets the lease it confirms
             self.lease_confirmed(call.sent_at)
+        elif call.method == "Step":
+            seq = response.seq
+            if seq:
+                self.applied_seq, self.seq_known = seq, True
         return value
 
     def streamed(self, response: kvmem_pb2.StepResponse) -> kvmem_pb2.StepResponse:
@@ -348,7 +358,7 @@ class Session:
         """The kvmem error of a failed call (gRPC's error, or the error a StepStream
         answer carried). An unknown session stays unknown: later calls raise at once."""
         error = err if isinstance(err, KVMemError) else from_rpc_error(err)
-        if isinstance(error, SessionLost):
+        if isinstance(error, SessionLost) and not self.resumable(error):
             server_epoch = error.metadata.get("epoch")
             error.views_stale = bool(server_epoch) and server_epoch != self.epoch  # another server run
             self._lose(error)
@@ -381,12 +391,16 @@ class Session:
         if self._keepalive_sent and not self._keepalive_overflow:
             self.lease_confirmed(self._keepalive_sent.popleft())
 
-    def keepalive_ended(self, err: grpc.RpcError | None, closing: bool) -> None:
+    def keepalive_ended(self, err: grpc.RpcError | None, closing: bool) -> bool:
         """The keep-alive stream ended: broken with ``err``, or closed by the server
         (None). Unless the client ended it itself (``closing``), the session is lost,
-        with the server's reason if it sent one."""
+        with the server's reason if it sent one; or, when the server went away and the
+        session may be resumed (:meth:`resumable`), True: the client resumes it."""
         if closing:
-            return
+            return False
+        gone = Unavailable(grpc.StatusCode.UNAVAILABLE, UNSPECIFIED, "the server ended the keep-alive stream")
+        if self.resumable(gone if err is None else from_rpc_error(err)):
+            return True
         if err is None:
             message = "the server ended the keep-alive stream"
             lost = SessionLost(grpc.StatusCode.UNAVAILABLE, UNSPECIFIED, message)
@@ -398,6 +412,7 @@ class Session:
         # does not know its own epoch) means the server is gone or going.
         lost.views_stale = not (lost.reason == Reason["UNKNOWN_SESSION"] and lost.metadata.get("epoch") == self.epoch)
         self._lose(lost)
+        return False
 
     def detach_failed(self, err: KVMemError) -> None:
         """Closing the client, its Detach failed. UNAVAILABLE means the server cannot be

@@ -19,7 +19,7 @@ from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 from .base import ClientBase
 from .channel import deadline_exceeded
-from .errors import KVMemError, SessionLost
+from .errors import KVMemError, SessionLost, from_rpc_error
 from .events import EventStream, watch_request
 from .session import Call
 from .step import NO_COLUMN, CacheItems, IntsLike, MatchItems, StepResult, TokenLists, TokensLike
@@ -54,6 +54,8 @@ class KVMemClient(ClientBase):
         self._keepalive_thread: threading.Thread | None = None
         self._steps: StepStream | None = None  # opened at the first Step (step_stream)
         self._steps_lock = threading.Lock()
+        self._step_serial = threading.Lock()  # a Step is numbered and sent (and resent) under it
+        self._resume_lock = threading.Lock()  # one resume at a time (a call's or the keep-alive's)
         self._channel = self._transport.channel()
         self._stub = kvmem_pb2_grpc.KVMemoryStub(self._channel)
         try:
@@ -212,6 +214,62 @@ class KVMemClient(ClientBase):
         return self._perform(self._session.detach(timeout=timeout))
 
     def _perform(self, call: Call[T]) -> T:
+        """Make ``call`` (:meth:`_perform_once`); when the server went away and the
+        session may be resumed, resume it and make the call again, or hand over the kept
+        answer of a Step that was applied (:meth:`kvmem.client.session.Session.step_fate`).
+        Steps are numbered and sent one at a time."""
+        if call.method != "Step":
+            return self._perform_resuming(call)
+        with self._step_serial:
+            return self._perform_resuming(call)
+
+    def _perform_resuming(self, call: Call[T]) -> T:
+        session = self._session
+        while True:
+            session.number(call)
+            seen = session.epoch
+            try:
+                return self._perform_once(call)
+            except KVMemError as err:
+                if call.method == "Attach" or not session.resumable(err):
+                    session.step_failed(call, err)
+                    raise
+            self._resume(seen)
+            if call.method == "Step":
+                answer = session.step_fate(call)
+                if answer is not None:
+                    return session.finish(call, answer)
+
+    def _resume(self, seen_epoch: str) -> None:
+        """Resume the session on the server's next run (unless another thread already
+        did: the epoch is no longer ``seen_epoch``), trying until it is back, refuses,
+        or the window passes (then SessionLost, views stale)."""
+        session = self._session
+        with self._resume_lock:
+            if session.lost is not None:
+                raise session.lost.with_traceback(None)
+            if session.epoch != seen_epoch:
+                return
+            while True:
+                call = session.resume_call()
+                try:
+                    session.finish(call, self._stub.Attach(call.request, timeout=call.timeout,
+                                                           metadata=session.metadata))  # fmt: skip
+                    break
+                except grpc.RpcError as rpc_err:
+                    err = from_rpc_error(rpc_err)
+                except KVMemError as kv_err:
+                    err = kv_err
+                delay = session.resume_retry(err)
+                if delay is None:
+                    lost = session.resume_failed(err)
+                    self._stop_keepalive()
+                    raise lost from None
+                time.sleep(delay)
+            self._close_steps()  # the old stream went with the old server
+            session.resumed()
+
+    def _perform_once(self, call: Call[T]) -> T:
         """Make ``call`` the way :meth:`kvmem.client.session.Session.route` says, and
         hand its answer to the session to read."""
         try:
@@ -228,7 +286,8 @@ class KVMemClient(ClientBase):
                 raise self._failure(call, err) from None
             return self._session.finish(call, response)
         except SessionLost:
-            self._stop_keepalive()  # over for this client: closing the stream tells the server it let go
+            if self._session.lost is not None:
+                self._stop_keepalive()  # over for this client: closing the stream tells the server it let go
             raise
         finally:
             if call.ends_session:
@@ -309,9 +368,27 @@ class KVMemClient(ClientBase):
         self.close()
 
     def _keepalive(self) -> None:
+        """The keep-alive stream, and again after each resume (the server went away and
+        the session may be resumed: this thread resumes it)."""
+        session = self._session
+        while True:
+            seen = session.epoch
+            try:
+                self._keepalive_stream()
+            except grpc.RpcError as err:
+                resume = session.keepalive_ended(err, self._closing.is_set())
+            else:
+                resume = session.keepalive_ended(None, self._closing.is_set())
+            if not resume:
+                return
+            try:
+                self._resume(seen)
+            except KVMemError:
+                return  # lost: the next call raises it
+
+    def _keepalive_stream(self) -> None:
         first, later = self._session.keepalive_requests()
         interval = self._session.keepalive_interval
-
         session = self._session
 
         def requests() -> Iterator[kvmem_pb2.KeepAliveRequest]:
@@ -321,14 +398,9 @@ class KVMemClient(ClientBase):
                 session.keepalive_sent()
                 yield later
 
-        try:
-            self._keepalive_call = self._stub.KeepAlive(requests(), metadata=session.metadata)
-            for _ in self._keepalive_call:
-                session.keepalive_answered()
-        except grpc.RpcError as err:
-            self._session.keepalive_ended(err, self._closing.is_set())
-        else:
-            self._session.keepalive_ended(None, self._closing.is_set())
+        self._keepalive_call = self._stub.KeepAlive(requests(), metadata=session.metadata)
+        for _ in self._keepalive_call:
+            session.keepalive_answered()
 
     def _stop_keepalive(self) -> None:
         self._closing.set()
