@@ -190,3 +190,14 @@ def transport(
     key = None if tls_key is None else _read_pem("tls_key", tls_key, b"PRIVATE KEY-----")
     credentials = grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=cert)
     return Transport(target, credentials, tls_server_name or None, cert is not None)
+
+
+_MAX_TIMEOUT_S = 10**7  # about 116 days: gRPC takes no infinite deadline (it fails at once)
+
+
+def checked_timeout(seconds: float) -> float:
+    """A call's deadline in seconds: a positive finite number (ValueError naming it
+    otherwise: gRPC would fail the call at once on an infinite one)."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= _MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be a number of seconds in (0, {_MAX_TIMEOUT_S:g}], got {seconds!r}")
+    return float(seconds)

@@ -8,7 +8,6 @@ the log line and callback that say so. :class:`kvmem.client.session.Session` is 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
     from .session import Call
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Resumed:
     """A session resumed after its server restarted (``kvmem serve --keep-state``), as
     the ``on_resumed`` callback is told: the server runs before and after, how long the
@@ -42,11 +40,20 @@ class Resumed:
     and the number of its last Step applied. A Step in flight at the restart is then
     answered: with its kept answer if it was applied, else it is sent again."""
 
-    old_epoch: str
-    epoch: str
-    outage_s: float
-    num_requests: int
-    applied_seq: int
+    __slots__ = ("applied_seq", "epoch", "num_requests", "old_epoch", "outage_s")
+
+    def __init__(self, old_epoch: str, epoch: str, outage_s: float, num_requests: int, applied_seq: int) -> None:
+        self.old_epoch = old_epoch
+        self.epoch = epoch
+        self.outage_s = outage_s
+        self.num_requests = num_requests
+        self.applied_seq = applied_seq
+
+    def __repr__(self) -> str:
+        return (
+            f"Resumed(old_epoch={self.old_epoch!r}, epoch={self.epoch!r}, outage_s={self.outage_s:.3f}, "
+            f"num_requests={self.num_requests}, applied_seq={self.applied_seq})"
+        )
 
 
 class Resuming:

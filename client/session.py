@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 
 from kvmem.v1 import kvmem_pb2
 
-from .channel import BIG_REQUEST_BYTES, TLSError, auth_metadata
+from .channel import BIG_REQUEST_BYTES, TLSError, auth_metadata, checked_timeout
 from .errors import KVMemError, Reason, SessionLost, Unavailable, from_rpc_error, from_status
 from .resume import Resuming
 from .step import (
@@ -47,17 +47,6 @@ Route = Literal["stream", "bounded", "unary"]  # how a client makes a call: see 
 _MAX_UNANSWERED = 1024  # keep-alive send times kept while their answers are due
 UNSPECIFIED: Reason = Reason["UNSPECIFIED"]  # what the client says where it has no server's reason
 _NOT_ATTACHED = "not attached: use `await AsyncKVMemClient.connect(...)` or `async with AsyncKVMemClient(...)`"
-
-
-_MAX_TIMEOUT_S = 10**7  # about 116 days: gRPC takes no infinite deadline (it fails at once)
-
-
-def checked_timeout(seconds: float) -> float:
-    """A call's deadline in seconds: a positive finite number (ValueError naming it
-    otherwise: gRPC would fail the call at once on an infinite one)."""
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= _MAX_TIMEOUT_S:
-        raise ValueError(f"timeout must be a number of seconds in (0, {_MAX_TIMEOUT_S:g}], got {seconds!r}")
-    return float(seconds)
 
 
 class Call(Generic[T]):

@@ -21,9 +21,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvmem.server.core import AllocStatus, AuditReport, KVCore, OwnerId, PoolStats, StepBatch, StepResult, crash
+from kvmem.server.core import AllocStatus, KVCore, OwnerId, StepBatch, StepResult, crash
 from kvmem.server.core.adopt import Adoption
 from kvmem.server.errors import KVMemError, Reason
+from kvmem.server.server_stats import ServerStats, SessionUsage, StateOrigin
 from kvmem.server.steplog import StepLog
 
 log = logging.getLogger("kvmem.sessions")
@@ -94,42 +95,6 @@ class Quarantine:
     name: str
     owner: OwnerId
     until: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SessionUsage:
-    session: Session
-    num_requests: int
-    num_pages_held: int
-    prefix_query_tokens: int = 0  # tokens its match items asked for
-    prefix_hit_tokens: int = 0  # tokens they matched
-    num_evictions: int = 0  # cached pages its allocs evicted
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ServerStats:
-    pool: PoolStats
-    sessions: tuple[SessionUsage, ...]
-    audit: AuditReport | None
-    num_steps: int
-    uptime_s: float
-    prefix_cache_enabled: bool = False
-    prefix_hash: str = ""  # the page-key recipe's name
-    origin: StateOrigin | None = None
-    num_dormant: int = 0  # adopted sessions not resumed yet
-    num_resumed: int = 0  # adopted sessions their clients resumed
-    num_not_resumed: int = 0  # adopted sessions ended because no client resumed them in time
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StateOrigin:
-    """Where the run's state came from (see ``StateOrigin`` in the proto): ``kind``
-    "fresh", "new" or "adopted"; ``adoption``, what was adopted (None otherwise), in
-    ``adopt_ms``."""
-
-    kind: str
-    adoption: Adoption | None = None
-    adopt_ms: float = 0.0
 
 
 class Sessions:

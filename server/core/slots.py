@@ -17,12 +17,13 @@ from kvmem.server.core.batch import NO_INT32, raise_first, too_many
 from kvmem.server.core.config import OwnerId
 from kvmem.server.core.image import CoreImage
 from kvmem.server.core.pool import PagePool
+from kvmem.server.core.slot_errors import MAX_REQUEST_ID_BYTES, raise_first_bad_slot
+from kvmem.server.core.slot_errors import check_id_length as _check_id_length
 from kvmem.server.core.table import BlockTable, segments
 from kvmem.server.core.undo import UndoLog
 from kvmem.server.core.words import StampedWords
-from kvmem.server.errors import CorruptionError, KVMemError, Reason
+from kvmem.server.errors import KVMemError, Reason
 
-MAX_REQUEST_ID_BYTES = 256  # the longest request id, in bytes of UTF-8 (a documented limit)
 _ID_CHARS_ALWAYS_OK = MAX_REQUEST_ID_BYTES // 4  # no longer than this: within the limit, whatever the characters
 _INT32 = np.dtype(np.int32)  # a dtype instance: a view to it skips resolving the type
 
@@ -429,38 +430,4 @@ class RequestTable:
 
     def _raise_first_bad(self, state: Owner, slots: np.ndarray, what: str) -> None:
         """The error for the first slot :meth:`all_mine` refused. O(n)."""
-        raise_first(
-            self.owner_of.take(slots, mode="clip") != state.index,
-            lambda i: KVMemError(
-                Reason.SLOT_NOT_FOUND,
-                f"{what}[{i}]: request slot {int(slots[i])} is not open in this session",
-                index=i,
-                slot=int(slots[i]),
-            ),
-        )
-        # Every slot is in [1, max_requests] now, so a list longer than the slot table
-        # holds a duplicate too; it needs a position per item to say which.
-        order = np.arange(slots.size)
-        self.scratch[slots] = order
-        raise_first(
-            self.scratch[slots] != order,
-            lambda i: KVMemError(
-                Reason.DUPLICATE_SLOT, f"{what}[{i}]: request slot {int(slots[i])} appears twice", index=i,
-                slot=int(slots[i]),
-            ),
-        )  # fmt: skip
-        raise CorruptionError(f"{what}: the slot check refused slots it then found valid")
-
-
-def _check_id_length(i: int, rid: str) -> None:
-    """BAD_VALUE when request id #``i`` is longer than :data:`MAX_REQUEST_ID_BYTES`
-    bytes of UTF-8 (the message names its length, never the id)."""
-    size = len(rid) if rid.isascii() else len(rid.encode("utf-8", "surrogatepass"))
-    if size > MAX_REQUEST_ID_BYTES:
-        raise KVMemError(
-            Reason.BAD_VALUE,
-            f"request id #{i} is {size} bytes long (UTF-8), at most {MAX_REQUEST_ID_BYTES} (the request id limit)",
-            index=i,
-            length=size,
-            limit=MAX_REQUEST_ID_BYTES,
-        )
+        raise_first_bad_slot(self.owner_of, self.scratch, state.index, slots, what)

@@ -221,10 +221,11 @@ class ShmBackend(MemoryBackend):
         self.state_path = base + ".st" if keep is not None else None
         # The step log (kvmem.server.steplog), beside the state: sparse, never reserved (a
         # region per session, mostly untouched).
-        self.log_path = base + ".sl" if keep is not None else None
+        self.log_path = base + ".sl" if keep is not None and log_bytes > 0 else None
         sizes = {self.kv_path: kv_bytes, self.block_table_path: bt_bytes}
-        if self.state_path is not None and self.log_path is not None:
+        if self.state_path is not None:
             sizes[self.state_path] = state_bytes
+        if self.log_path is not None:
             sizes[self.log_path] = log_bytes
         # Unlinked in this order: data first, the lock last (see remove_stale); a kept state never.
         self._finalizer = weakref.finalize(

@@ -1,7 +1,7 @@
 """``kvmem serve --keep-state``: a server killed (SIGKILL) or stopped (SIGTERM) comes back
 with its KV memory and its state: the prefix cache's pages with their K/V bytes, and
-the requests of clients still attached, which no session resumes yet (they are ended as
-a lapsed lease ends them: quarantined, then freed). Real servers, real client processes,
+the requests of clients still attached (which resume them: ``test_resume.py``; with
+``--resume-ms 0`` they are ended as a lapsed lease ends them: quarantined, then freed). Real servers, real client processes,
 a private ``--shm-dir`` each. Refusals: another geometry (unless ``--discard-state``),
 a state a running server holds, ``--keep-state`` off the shm backend, ``--discard-state``
 alone."""
@@ -74,14 +74,14 @@ def read_back(target: str) -> tuple[list[int], bool]:
 
 def test_a_killed_server_comes_back_with_its_prefix_cache_kv_bytes_and_quarantines() -> None:
     directory = short_tmpdir()
-    srv = serve(directory, "--quarantine-ms", "1500")
+    srv = serve(directory, "--quarantine-ms", "1500", "--resume-ms", "0")
     servers = [srv]
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, srv.target], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
         assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
-        assert len(kept_files(directory)) == 4, os.listdir(directory)  # kv, bt, st, lock
-        again = serve(directory, "--quarantine-ms", "1500")
+        assert len(kept_files(directory)) == 5, os.listdir(directory)  # kv, bt, st, sl, lock
+        again = serve(directory, "--quarantine-ms", "1500", "--resume-ms", "0")
         servers.append(again)
         log = again.log()
         assert "--keep-state: adopted 1 owners, 1 open requests holding 2 pages, 4 cached pages" in log, log
@@ -106,7 +106,7 @@ def test_a_killed_server_comes_back_with_its_prefix_cache_kv_bytes_and_quarantin
         holder.wait()
         for server in servers:  # a failed assertion leaves no server behind
             server.stop(signal.SIGKILL)
-    assert len(kept_files(directory)) == 4  # a clean stop keeps the state too
+    assert len(kept_files(directory)) == 5  # a clean stop keeps the state too
 
 
 def test_a_stopped_server_keeps_its_state_and_the_next_adopts_it() -> None:
@@ -139,7 +139,7 @@ def test_another_geometry_is_refused_unless_the_state_is_discarded() -> None:
     refused = subprocess.run([sys.executable, "-m", "kvmem.cli", "serve", *args], capture_output=True, text=True)
     assert refused.returncode != 0
     assert "the kept state does not fit this pool" in refused.stderr and "--discard-state" in refused.stderr
-    assert len(kept_files(directory)) == 4  # left as it was
+    assert len(kept_files(directory)) == 5  # left as it was
     fresh = start_server(directory, *args[:-2], "--discard-state")
     try:
         assert "--discard-state: removed the kept" in fresh.log() and "a new state in" in fresh.log(), fresh.log()
