@@ -115,7 +115,7 @@ class Worker:
                 "tokens_verified", "verifies", "out_of_pages", "preempted", "truncates", "write_skipped",
                 "tokens_skipped", "late_writes", "verify_discarded", "foreign_writes", "foreign_tokens",
                 "lost_withheld", "lost_server", "lost_epoch", "lost_keepalive", "lost_unavailable",
-                "lost_deadline", "errors", "rogue_writes", "table_mismatches",
+                "lost_deadline", "errors", "rogue_writes", "table_mismatches", "resumes", "tokens_lost",
             ),
             0,
         )  # fmt: skip
@@ -192,7 +192,8 @@ class Worker:
             t0 = time.monotonic()
             kv = None
             try:
-                kv = KVMemClient(self.args.target, name=name, timeout=self.args.call_timeout)
+                kv = KVMemClient(self.args.target, name=name, timeout=self.args.call_timeout,
+                                 on_resumed=self.resumed)  # fmt: skip
                 self.counts["calls"] += 1
                 g = kv.geometry
                 layout = g.layout
@@ -218,9 +219,19 @@ class Worker:
                       nonce=self.nonce)  # fmt: skip
             return
 
+    def resumed(self, info: Any) -> None:
+        """The client resumed the session after a server restart (--keep-state): the
+        requests go on as they were; told to the driver as an attach to the new run."""
+        self.counts["resumes"] += 1
+        self.epoch = info.epoch
+        self.emit("attached", name=self.name, epoch=info.epoch, took_s=round(info.outage_s, 4), nonce=self.nonce,
+                  resumed=True)  # fmt: skip
+
     def drop(self) -> None:
         """The recovery recipe's first half: drop every view and all request state, close
-        the client (it detaches if the session still lives, closes its keep-alive)."""
+        the client (it detaches if the session still lives, closes its keep-alive). The
+        tokens of the requests dropped are lost: a real scheduler computes them again."""
+        self.counts["tokens_lost"] += sum(r.length for r in self.reqs)
         self.views = None
         self.reqs = []
         kv, self.kv = self.kv, None
@@ -491,7 +502,8 @@ class Worker:
         else:
             kind = "deadline"
         self.counts[f"lost_{kind}"] += 1
-        self.emit("lost", kind=kind, where=where, name=self.name, message=text[:300])
+        tokens = sum(r.length for r in self.reqs)  # dropped with the session: computed again
+        self.emit("lost", kind=kind, where=where, name=self.name, message=text[:300], tokens=tokens)
 
     def run(self) -> int:
         threading.Thread(target=self.read_commands, name="commands", daemon=True).start()

@@ -116,11 +116,15 @@ def adoptions(log_paths: list[str]) -> dict[str, Any]:
     """What the servers' ``--keep-state`` lines say: how many starts adopted a state,
     how many of those repaired something (and what), the longest adoption."""
     adopted, repaired, ms, what = 0, 0, [], []
+    resumed = not_resumed = undone = 0
     for path in log_paths:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
+                resumed += "session resumed name=" in line
+                not_resumed += "why=not resumed in time" in line
                 if "--keep-state: adopted" not in line:
                     continue
+                undone += "cut by the crash was undone" in line
                 adopted += 1
                 if "nothing to repair" not in line:
                     repaired += 1
@@ -128,7 +132,8 @@ def adoptions(log_paths: list[str]) -> dict[str, Any]:
                 found = re.search(r", in (\d+) ms from", line)
                 if found:
                     ms.append(int(found.group(1)))
-    return {"adopted": adopted, "repaired": repaired, "ms_max": max(ms) if ms else None, "repairs": what}
+    return {"adopted": adopted, "repaired": repaired, "ms_max": max(ms) if ms else None, "repairs": what,
+            "sessions_resumed": resumed, "sessions_not_resumed": not_resumed, "steps_undone": undone}  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -318,6 +323,7 @@ class Run:
         self.errors: list[dict[str, Any]] = []
         self.crashes: list[dict[str, Any]] = []
         self.fence_events_unattributed: dict[str, int] = {}
+        self.restart_tokens_lost = 0  # tokens of requests a restart took from their workers
         self.no_fault_events: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
         self.lost_kinds: dict[str, int] = {}
@@ -401,6 +407,8 @@ class Run:
                 if rec is not None:
                     rec.events.append(label)
                 else:
+                    if kind == "lost" and self.in_restart(t):  # not a stopped worker's: the restart's
+                        self.restart_tokens_lost += int(ev.get("tokens", 0))
                     key = label if kind != "lost" else f"lost ({ev['kind']})"
                     key = f"{'restart' if self.in_restart(t) else 'no fault'}: {key}"
                     self.fence_events_unattributed[key] = self.fence_events_unattributed.get(key, 0) + 1
@@ -846,6 +854,8 @@ def build_report(run: Run, args: argparse.Namespace, phase: dict[str, Any], end:
         failures.append(f"the server exited by itself {len(run.server_crashes)} times")
     if sig["exit_code"] != 0:
         failures.append(f"the server exited {sig['exit_code']} after SIGTERM")
+    if args.keep_state and run.restart_tokens_lost:
+        failures.append(f"{run.restart_tokens_lost} tokens lost with sessions a restart ended (they should resume)")
     if end["not_drained"]:
         failures.append(f"workers {end['not_drained']} did not drain")
     return {
@@ -859,6 +869,8 @@ def build_report(run: Run, args: argparse.Namespace, phase: dict[str, Any], end:
         "stops": len(run.stops),
         "restarts": len(run.restarts),
         "adoptions": adoptions(run.server.log_paths),
+        "restart_tokens_lost": run.restart_tokens_lost,
+        "resumes": tot.get("resumes", 0),
         "skipped_faults": run.skipped_faults,
         "pages_lost": final["pages_lost"],
         "final": final,
@@ -985,6 +997,12 @@ def print_report(r: dict[str, Any], out: TextIO) -> None:
         ["  adopted the killed server's state (--keep-state; repaired)",
          f"{r['adoptions']['adopted']} ({r['adoptions']['repaired']}; {r['adoptions']['ms_max']} ms at most)", "-",
          "info"],
+        ["  sessions resumed / ended not resumed (server logs)",
+         f"{r['adoptions']['sessions_resumed']} / {r['adoptions']['sessions_not_resumed']}", "-", "info"],
+        ["  Steps cut by a kill and undone", f"{r['adoptions']['steps_undone']}", "-", "info"],
+        ["  tokens prefilled again after a restart (requests lost with a session)",
+         f"{r['restart_tokens_lost']:,}", "0 with --keep-state" if r["config"]["keep_state"] else "-",
+         res(not r["config"]["keep_state"] or r["restart_tokens_lost"] == 0)],
         ["calls / steps per second", f"{r['rates']['calls_per_s']:,.0f} / {r['rates']['steps_per_s']:,.0f}", "-",
          "info"],
         ["tokens written / verified", f"{t.get('tokens_written', 0):,} / {t.get('tokens_verified', 0):,}", "-",

@@ -51,35 +51,52 @@ def pair(make: Any, name: str) -> list[Contender]:
     return [make(True, f"{name}, image"), make(False, f"{name}, none")]
 
 
+class Numbered:
+    """A core's Steps as the server makes them: numbered, each committed after it (with
+    an image, each is recorded for undo first: see kvmem.server.core.undo)."""
+
+    def __init__(self, c: KVCore) -> None:
+        self.c, self.seq = c, 0
+
+    def __call__(self, owner: int, batch: StepBatch) -> Any:
+        self.seq += 1
+        result = self.c.step(owner, batch, seq=self.seq)
+        self.c.commit(self.seq)
+        return result
+
+
 def decode(imaged: bool, name: str) -> Contender:
     c = core(imaged)
+    step = Numbered(c)
     o = c.add_owner()
     slots = c.open(o, [f"r{i}" for i in range(N)]).astype(np.int64)
     lens = 100 + np.arange(N, dtype=np.int64) % PS
-    c.step(o, StepBatch(alloc_slots=slots, alloc_needs=lens))
+    step(o, StepBatch(alloc_slots=slots, alloc_needs=lens))
     ones = np.ones(N, dtype=np.int64)
 
     def after(_: Any) -> None:
-        c.step(o, StepBatch(truncate_slots=slots, truncate_lens=lens))
+        step(o, StepBatch(truncate_slots=slots, truncate_lens=lens))
 
-    return Contender(name, lambda: c.step(o, StepBatch(alloc_slots=slots, alloc_needs=ones)), after)
+    return Contender(name, lambda: step(o, StepBatch(alloc_slots=slots, alloc_needs=ones)), after)
 
 
 def prefill(imaged: bool, name: str) -> Contender:
     c = core(imaged, num_pages=N * 32 + 64)
+    step = Numbered(c)
     o = c.add_owner()
     slots = c.open(o, [f"r{i}" for i in range(N)]).astype(np.int64)
     need = np.full(N, 512, dtype=np.int64)
     zero = np.zeros(N, dtype=np.int64)
 
     def after(_: Any) -> None:
-        c.step(o, StepBatch(truncate_slots=slots, truncate_lens=zero))
+        step(o, StepBatch(truncate_slots=slots, truncate_lens=zero))
 
-    return Contender(name, lambda: c.step(o, StepBatch(alloc_slots=slots, alloc_needs=need)), after)
+    return Contender(name, lambda: step(o, StepBatch(alloc_slots=slots, alloc_needs=need)), after)
 
 
 def release(imaged: bool, name: str) -> Contender:
     c = core(imaged, num_pages=N * 32 + 64)
+    step = Numbered(c)
     o = c.add_owner()
     ids = [f"r{i}" for i in range(N)]
     need = np.full(N, 512, dtype=np.int64)
@@ -87,19 +104,20 @@ def release(imaged: bool, name: str) -> Contender:
 
     def setup() -> None:
         state["slots"] = c.open(o, ids).astype(np.int64)
-        c.step(o, StepBatch(alloc_slots=state["slots"], alloc_needs=need))
+        step(o, StepBatch(alloc_slots=state["slots"], alloc_needs=need))
 
     setup()
-    return Contender(name, lambda: c.step(o, StepBatch(release_slots=state["slots"])), lambda _: setup())
+    return Contender(name, lambda: step(o, StepBatch(release_slots=state["slots"])), lambda _: setup())
 
 
 def cache_items(imaged: bool, name: str) -> Contender:
     """A decode step whose requests also cache their first 6 full pages (new keys each time)."""
     c = core(imaged, num_pages=N * 16 + 4096)
+    step = Numbered(c)
     o = c.add_owner()
     slots = c.open(o, [f"r{i}" for i in range(N)]).astype(np.int64)
     lens = np.full(N, 100, dtype=np.int64)
-    c.step(o, StepBatch(alloc_slots=slots, alloc_needs=lens))
+    step(o, StepBatch(alloc_slots=slots, alloc_needs=lens))
     ones = np.ones(N, dtype=np.int64)
     rng = np.random.default_rng(0)
     counter = [0]
@@ -108,12 +126,12 @@ def cache_items(imaged: bool, name: str) -> Contender:
         counter[0] += 1
         toks = rng.integers(0, 1 << 20, size=(N, 96)).astype(np.int32)
         items = [(int(s), toks[i]) for i, s in enumerate(slots.tolist())]
-        return c.step(o, StepBatch.of(alloc_slots=slots, alloc_needs=ones, cache=items))
+        return step(o, StepBatch.of(alloc_slots=slots, alloc_needs=ones, cache=items))
 
     def after(_: Any) -> None:
-        c.step(o, StepBatch(release_slots=slots))  # the cached pages become evictable
+        step(o, StepBatch(release_slots=slots))  # the cached pages become evictable
         slots[:] = c.open(o, [f"r{counter[0]}-{i}" for i in range(N)])
-        c.step(o, StepBatch(alloc_slots=slots, alloc_needs=lens))
+        step(o, StepBatch(alloc_slots=slots, alloc_needs=lens))
 
     return Contender(name, run, after)
 
@@ -138,6 +156,8 @@ def part_adopt(num_pages: int, owners: int, requests: int) -> tuple[float, float
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 1 << 20, size=64).astype(np.int32) for _ in range(16)]
     ids = [c.add_owner(f"ns{i % 4}") for i in range(owners)]
+    for o in ids:  # sessions, as Attach keeps them
+        c.set_session(o, f"session-id-{o:04d}-" + "x" * 16, f"worker-{o}", None)
     per = requests // owners
     for o in ids:  # a cached prompt per namespace's first requests, then 6 pages a request
         slots = c.open(o, [f"{o}-{i}" for i in range(per)]).astype(np.int64)
@@ -155,6 +175,7 @@ def part_adopt(num_pages: int, owners: int, requests: int) -> tuple[float, float
     check(np.array_equal(new.block_table, kept[0]) and np.array_equal(new.slots.alloced, kept[1]), "rows/lengths")
     check(np.array_equal(new.pool.ref_cnt, kept[2]) and new.cache.index == kept[3], "counts/cache index")
     check(new.stats().num_free_pages == kept[4].num_free_pages, "free pages")
+    check(len([x for x in report.sessions if x.session_id]) == owners, "sessions")
     started = time.perf_counter()
     KVCore(cfg, np.zeros(cfg.block_table_shape, dtype=np.int32), image=CoreImage.create(bytearray(layout.size), layout))
     fresh_s = time.perf_counter() - started

@@ -162,6 +162,9 @@ class AsyncKVMemClient(ClientBase):
                 if call.method == "Attach" or not session.resumable(err):
                     session.step_failed(call, err)
                     raise
+            except BaseException:  # interrupted, cancelled: the Step's fate is not known
+                session.step_failed(call, None)
+                raise
             await self._resume(seen)
             if call.method == "Step":
                 answer = session.step_fate(call)
@@ -193,8 +196,7 @@ class AsyncKVMemClient(ClientBase):
                     await self._stop_keepalive()
                     raise lost from None
                 await asyncio.sleep(delay)
-            self._close_steps()  # the old stream went with the old server
-            session.resumed()
+            session.resumed()  # the old step stream went with the old server: the next Step opens another
 
     async def _perform_once(self, call: Call[T]) -> T:
         """Make ``call`` the way :meth:`kvmem.client.session.Session.route` says, and

@@ -187,12 +187,14 @@ class Resuming:
             f"(the last applied is {applied}) but its answer was not kept (larger than the server keeps)",
         )  # fmt: skip
 
-    def step_failed(self, call: Call[Any], err: KVMemError) -> None:
+    def step_failed(self, call: Call[Any], err: KVMemError | None) -> None:
         """A Step failed without an answer that says it was refused (a deadline, a
-        cancel, a broken connection not resumed): its fate is unknown, so the next Step
-        goes unnumbered and takes its number from the answer."""
-        if call.method == "Step" and err.code in (
-            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
-            grpc.StatusCode.UNKNOWN,
+        cancel, an interrupt (``err`` None), a broken connection not resumed): its fate
+        is unknown, so the next Step goes unnumbered and takes its number from the answer."""
+        if call.method == "Step" and (
+            err is None or err.code in (
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.UNKNOWN,
+            )
         ):  # fmt: skip
             self.seq_known = False

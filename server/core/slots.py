@@ -128,6 +128,8 @@ class RequestTable:
                     f"the state image holds {image.layout.max_owners} owners at once, all in use",
                 )
             state.record = self._records.pop()
+            if image.get("undo_record") == state.record:  # a stale undo record of the record's last owner
+                image.set("undo_seq", 0)
             image.owner_seq[state.record] = 0
             image.write_session(state.record, "", "", None)
             image.owner_ns[state.record] = image.namespace_id(namespace)

