@@ -17,6 +17,7 @@ from kvmem.server.core.config import INT32_MAX, CoreConfig
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.slots import Owner, RequestTable
 from kvmem.server.core.table import BlockTable, segments
+from kvmem.server.core.undo import UndoLog
 
 # What a step's allocs give its result: alloc_status, kv_loc, kv_loc_offsets, new_pages,
 # new_page_offsets (the first five fields of StepResult) and num_refused. A tuple: the
@@ -50,8 +51,11 @@ class Allocator:
     them, and changes them only through :meth:`RequestTable.grow`. Each call returns
     the step's :data:`Allocs`."""
 
-    def __init__(self, config: CoreConfig, pool: PagePool, table: BlockTable, requests: RequestTable) -> None:
+    def __init__(
+        self, config: CoreConfig, pool: PagePool, table: BlockTable, requests: RequestTable, undo: UndoLog | None = None
+    ) -> None:
         self.pool, self.table, self.requests = pool, table, requests
+        self.undo = undo  # a numbered decode Step's lengths go into its undo record (see .undo)
         self.max_context_len = config.max_context_len
         self._ctx_limit = min(config.max_context_len, INT32_MAX)
         n = config.max_requests + 3
@@ -146,7 +150,12 @@ class Allocator:
         requests = self.requests
         if not self._ones_bytes.startswith(need.tobytes()) or not requests.all_mine(state, slots):
             return None
-        cur = requests.alloced[slots]
+        undo = self.undo
+        if undo is not None and undo.lens_due:  # the lengths read once: for the undo record and here
+            cur = requests.alloced.take(slots, mode="clip", out=undo.lengths_view(n))  # valid: no buffering
+            undo.activate()
+        else:
+            cur = requests.alloced[slots]
         if expected is not None:
             wrong = expected != cur
             if np.count_nonzero(wrong) and np.count_nonzero(expected[wrong] != NO_EXPECTATION):

@@ -81,7 +81,7 @@ class KVCore:
         self.table = BlockTable(config, block_table)
         self.block_table = self.table.array
         self.slots = RequestTable(config.max_requests, self.table, self.pool, image, self.undo)
-        self._allocator = Allocator(config, self.pool, self.table, self.slots)
+        self._allocator = Allocator(config, self.pool, self.table, self.slots, self.undo)
         self.audit_every_step = audit_every_step
         # Pages of removed owners that no one may take yet, by owner (see remove_owner).
         self._quarantine: dict[int, list[np.ndarray]] = {}
@@ -204,8 +204,11 @@ class KVCore:
         prefix = batch.check_lengths(self.config.max_requests)  # and whether it carries prefix work
         undo = self.undo
         if seq and undo is not None:
-            rel = batch.release_slots
-            undo.begin(state.record, seq, [rel, batch.truncate_slots, batch.match_slots, batch.alloc_slots], rel)
+            rel, tr, ms, al = batch.release_slots, batch.truncate_slots, batch.match_slots, batch.alloc_slots
+            if rel.size or tr.size or ms.size:
+                undo.begin(state.record, seq, [rel, tr, ms, al], rel)
+            else:
+                undo.begin_allocs(state.record, seq, al)
             try:
                 return self._step(state, batch, quota_pages, prefix)
             except BaseException:
@@ -239,6 +242,9 @@ class KVCore:
                 )  # fmt: skip
                 self._finish()
                 return result
+        undo = self.undo
+        if undo is not None and undo.lens_due:  # a numbered Step the fast path left before reading its lengths
+            undo.fill(al)
         # validate: every item, before anything changes
         ms = batch.match_slots
         cur = steps.validate(requests, state, batch)

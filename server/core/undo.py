@@ -59,6 +59,9 @@ class UndoLog:
         self.active = False
         self.record = -1
         self._dirty = False  # entries, pages or closed slots recorded since the counts were last zeroed
+        self.lens_due = 0  # begin_allocs: lengths still to record (then activate)
+        self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._seq = 0
 
     def begin(self, record: int, seq: int, named: list[np.ndarray], closing: np.ndarray) -> None:
         """A Step of owner ``record``, number ``seq`` (> 0), starts: the lengths of the
@@ -90,6 +93,45 @@ class UndoLog:
             ints[_RECORD] = record
         ints[_SEQ] = seq
         self.active, self.record = True, record
+
+    def begin_allocs(self, record: int, seq: int, slots: np.ndarray) -> None:
+        """:meth:`begin` for a Step of allocs only (a decode Step), in the fewest
+        operations: the slots now; their lengths (:attr:`lens_due`) where the
+        allocator reads them anyway, into :meth:`lengths_view`, then
+        :meth:`activate` (or :meth:`fill` where it does not), before anything changes."""
+        if record != self.record or self.active:
+            self.ints[_SEQ] = 0
+        k = slots.size
+        views = self._views.get(k) or self._cut(k)
+        views[0][...] = slots
+        self.lens_due, self._seq, self.record = k, seq, record
+
+    def _cut(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``k`` entries of the slot and length records (made once per ``k``:
+        a dict lookup costs less than two slicings, paid on every decode Step)."""
+        views = self._views[k] = (self._len_slot[:k], self._lens[:k])
+        return views
+
+    def lengths_view(self, k: int) -> np.ndarray:
+        """Where the ``k`` lengths :meth:`begin_allocs` awaits go (then :meth:`activate`)."""
+        return (self._views.get(k) or self._cut(k))[1]
+
+    def fill(self, slots: np.ndarray) -> None:
+        """The awaited lengths of ``slots`` (those given to :meth:`begin_allocs`), read here."""
+        self._alloced.take(slots, mode="clip", out=self._lens[: self.lens_due])
+        self.activate()
+
+    def activate(self) -> None:
+        """The record of :meth:`begin_allocs` is whole: the counts, then the Step's number."""
+        ints = self.ints
+        ints[_LENS] = self.lens_due
+        if self._dirty:
+            ints[_CLOSED] = ints[_ENTRIES] = ints[_INSERTED] = ints[_EVICTED] = 0
+            self._dirty = False
+        if ints[_RECORD] != self.record:
+            ints[_RECORD] = self.record
+        ints[_SEQ] = self._seq
+        self.active, self.lens_due = True, 0
 
     def entries(self, pos: np.ndarray, pages: np.ndarray) -> None:
         """Row entries at flat block-table positions ``pos``, holding ``pages``, are
@@ -124,9 +166,9 @@ class UndoLog:
 
     def abort(self) -> None:
         """The Step changed nothing (it was refused): no record."""
-        if self.active:
+        if self.active or self.lens_due:
             self.ints[_SEQ] = 0
-            self.active = False
+            self.active, self.lens_due = False, 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
