@@ -242,7 +242,8 @@ def _origin_line(o: Any) -> str:
         return (
             f"state adopted from the last run in {o.adopt_ms:.0f} ms: {o.owners} owners, {o.requests} requests "
             f"({o.pages_in_rows} pages), {o.cached_pages} cached pages, {o.quarantined_pages} quarantined; "
-            f"repaired: {repaired}"
+            f"repaired: {repaired}{'; ' + o.undone if o.undone else ''}; sessions: {o.resumed} of {o.sessions} "
+            f"resumed, {o.waiting} waiting, {o.not_resumed} ended unresumed"
         )
     if o.kind == "new":
         return "state kept for the next run (--keep-state): new in this run"

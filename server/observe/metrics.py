@@ -227,6 +227,18 @@ class KVMemCollector(Collector):
             "kvmem_state_repairs", "Repairs adoption made to the last run's kept state (kinds of repair).",
             0 if adopted is None else len(adopted.repaired),
         )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvmem_state_step_undone", "1 when adoption undid a Step the last run's crash cut, else 0.",
+            float(adopted is not None and bool(adopted.undone)),
+        )  # fmt: skip
+        resumes = GaugeMetricFamily(
+            "kvmem_state_sessions", "The last run's sessions, by fate: resumed, waiting (within --resume-ms) or "
+            "ended (not resumed in time).", labels=["fate"],
+        )  # fmt: skip
+        for fate, n in (("resumed", stats.num_resumed), ("waiting", stats.num_dormant),
+                        ("ended", stats.num_not_resumed)):  # fmt: skip
+            resumes.add_metric([fate], float(n))
+        yield resumes
         yield CounterMetricFamily("kvmem_steps", "Steps applied (valid Step calls).", stats.num_steps)
         yield CounterMetricFamily("kvmem_pages_allocated", "Pages handed out by steps.", sessions.num_pages_allocated)
         yield CounterMetricFamily(

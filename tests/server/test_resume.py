@@ -254,3 +254,47 @@ def test_a_client_not_back_in_time_is_released_and_never_writes_into_another_ses
         holder.kill()
         for s in servers:
             s.stop(signal.SIGKILL)
+
+
+def test_stats_kvmem_stats_and_metrics_show_the_resumes_and_the_undone_step() -> None:
+    """After a crash at ``mid-allocs`` of the 3rd Step: the restarted server's Stats,
+    ``kvmem stats`` and metrics say a Step was undone and the session resumed."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    directory = short_tmpdir()
+    stop = os.path.join(directory, "stop")
+    srv = serve(directory, env={"KVMEM_TEST_CRASH_AT": "mid-allocs:3"})
+    servers = [srv]
+    worker = LineProcess("w", WORKER, srv.target, "w", stop, "sync", "decode")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        srv.proc.wait(timeout=60)
+        again = serve(directory, "--metrics", f"127.0.0.1:{port}")
+        servers.append(again)
+        worker.expect("ready")
+        deadline = time.monotonic() + 20
+        with KVMemClient(again.target, name="look") as kv:
+            while kv.stats().origin.resumed < 1:
+                assert time.monotonic() < deadline, again.log()
+                time.sleep(0.05)
+            origin = kv.stats().origin
+            assert (origin.sessions, origin.resumed, origin.waiting) == (1, 1, 0), origin
+            assert "cut by the crash was undone" in origin.undone, origin
+        shown = subprocess.run(
+            [sys.executable, "-m", "kvmem.cli", "stats", "--socket", again.socket_path], capture_output=True, text=True
+        )  # fmt: skip
+        assert "sessions: 1 of 1 resumed, 0 waiting, 0 ended unresumed" in shown.stdout, shown.stdout
+        assert "was undone" in shown.stdout, shown.stdout
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "kvmem_state_step_undone 1.0" in scraped and 'kvmem_state_sessions{fate="resumed"} 1.0' in scraped
+        (result,) = finish([worker], stop)
+        assert result["bad"] == 0 and result["audit"] and result["lens"] == [40 + result["steps"]] * 4, result
+    finally:
+        worker.kill()
+        for s in servers:
+            s.stop(signal.SIGKILL)
