@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from collections.abc import Callable
 from typing import Any, Self
 
 import numpy as np
 import torch
 
+from kvmem.client.resume import Resumed
 from kvmem.client.step import AllocStatus, TokensLike
 from kvmem.client.sync import KVMemClient
 
@@ -47,8 +49,11 @@ class KVAllocator:
     slots, page 0 included) and ``max_context_len`` are the server's; when given they
     must agree with it (ValueError otherwise). ``device``: where ``kv_loc`` tensors go
     (default: the host). ``name``, ``cache_namespace``, ``timeout``, ``auth_token`` are
-    the session's (only with a target). ``request_id_prefix`` starts the ids of the
-    kvmem requests it opens.
+    the session's (only with a target), and ``on_resumed``: called when the client
+    resumed the session after its server restarted (``kvmem serve --keep-state``), with
+    a :class:`kvmem.client.Resumed`; the allocator's requests go on as they were (the
+    same slots, rows and K/V), its calls block through the restart, and nothing is
+    raised. ``request_id_prefix`` starts the ids of the kvmem requests it opens.
     """
 
     def __init__(
@@ -65,18 +70,19 @@ class KVAllocator:
         timeout: float = 10.0,
         auth_token: str | None = None,
         request_id_prefix: str = "compat-",
+        on_resumed: Callable[[Resumed], None] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._owns_client = not isinstance(target_or_client, KVMemClient)
         if isinstance(target_or_client, KVMemClient):
-            if name or cache_namespace:
-                raise ValueError("name and cache_namespace are the given client's: set them on it")
+            if name or cache_namespace or on_resumed:
+                raise ValueError("name, cache_namespace and on_resumed are the given client's: set them on it")
             self.client = target_or_client
         else:
             self.client = KVMemClient(
                 target_or_client, name=name or "kvmem-compat", cache_namespace=cache_namespace, timeout=timeout,
-                auth_token=auth_token,
+                auth_token=auth_token, on_resumed=on_resumed,
             )  # fmt: skip
         try:
             g = self.client.geometry

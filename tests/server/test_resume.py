@@ -298,3 +298,69 @@ def test_stats_kvmem_stats_and_metrics_show_the_resumes_and_the_undone_step() ->
         worker.kill()
         for s in servers:
             s.stop(signal.SIGKILL)
+
+
+# The drop-in (the reference allocator's interface) through two SIGKILLs: 4 requests of
+# 40 tokens, then decode blocks until argv[2] exists; every token's K/V checked at the end.
+DROPIN = textwrap.dedent(
+    """
+    import json, os, sys, time, torch
+    from kvmem.client import KVAllocator
+    resumed = []
+    a = KVAllocator(sys.argv[1], max_batch_size=4, name="dropin", on_resumed=resumed.append, timeout=30)
+    layers = a.client.kv_cache()
+    lens = [0] * 4
+
+    def block(need):
+        with a.iteration():
+            out = [a.alloc(i, need, lens[i]) for i in range(4)]
+        for i, r in enumerate(out):
+            loc = r.value.long()
+            val = i * 1000 + torch.arange(lens[i], lens[i] + loc.numel(), dtype=torch.float32)
+            for k, v in layers:
+                k[loc] = val[:, None, None]
+                v[loc] = -val[:, None, None]
+            lens[i] += loc.numel()
+
+    block(40)
+    print("ready", flush=True)
+    steps = 0
+    while not os.path.exists(sys.argv[2]):
+        block(1)
+        steps += 1
+        time.sleep(0.01)
+    bad, ps = 0, a.page_size
+    for i in range(4):
+        row = a.req_to_page[i].tolist()
+        loc = torch.tensor([row[p // ps] * ps + p % ps for p in range(lens[i])])
+        want = i * 1000 + torch.arange(lens[i], dtype=torch.float32)
+        for k, v in layers:
+            bad += int((k[loc][:, 0, 0] != want).sum()) + int((v[loc][:, 0, 0] != -want).sum())
+    print("done", json.dumps({"resumes": len(resumed), "bad": bad, "lens": lens, "steps": steps}), flush=True)
+    a.close()
+    """
+)
+
+
+def test_the_drop_in_goes_on_through_restarts_without_an_exception() -> None:
+    directory = short_tmpdir()
+    stop = os.path.join(directory, "stop")
+    srv = serve(directory)
+    servers = [srv]
+    dropin = LineProcess("dropin", DROPIN, srv.target, stop)
+    try:
+        dropin.expect("ready")
+        for _ in range(2):
+            time.sleep(0.5)
+            assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
+            srv = serve(directory)
+            servers.append(srv)
+        time.sleep(0.5)
+        open(stop, "w").close()
+        result = json.loads(dropin.expect("done", timeout=60))
+        assert result["bad"] == 0 and 1 <= result["resumes"] <= 2, result
+        assert result["lens"] == [40 + result["steps"]] * 4, result
+    finally:
+        dropin.kill()
+        for s in servers:
+            s.stop(signal.SIGKILL)
