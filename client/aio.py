@@ -161,6 +161,8 @@ class AsyncKVMemClient(ClientBase):
             except KVMemError as err:
                 if call.method == "Attach" or not session.resumable(err):
                     session.step_failed(call, err)
+                    if isinstance(err, SessionLost) and session.lost is not None and err is not session.lost:
+                        raise session.lost.with_traceback(None) from None  # the first cause (a resume refused)
                     raise
             except BaseException:  # interrupted, cancelled: the Step's fate is not known
                 session.step_failed(call, None)

@@ -143,7 +143,9 @@ class Resuming:
             )  # fmt: skip
         self.epoch, self.lease_ms, self.resume_ms = resp.epoch, resp.lease_ms, resp.resume_ms
         self._resumed = resp.resumed
-        self.applied_seq, self.seq_known = resp.resumed.applied_seq, True
+        # An answer this client already has is of a committed Step (a concurrent call's): never behind it.
+        known = self.applied_seq if self.seq_known else 0
+        self.applied_seq, self.seq_known = max(known, resp.resumed.applied_seq), True
         return resp.resumed
 
     def resumed(self) -> None:

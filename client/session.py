@@ -296,15 +296,11 @@ class Session(Resuming):
         epoch = response.epoch
         if epoch and self.epoch and epoch != self.epoch and call.method != "Attach":
             if self.resume_ms > 0 and self.lost is None:
-                raise Unavailable(grpc.StatusCode.UNAVAILABLE, UNSPECIFIED, f"the server restarted (epoch {epoch})")
-            restarted = SessionLost(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                UNSPECIFIED,
-                f"the server restarted (epoch {self.epoch} is now {epoch}): attach again",
-            )
-            restarted.views_stale = True
-            self._lose(restarted)
-            self._check_not_lost()
+                # Taken by the run another thread is resuming the session into: a Step's answer stands.
+                if call.method != "Step":
+                    raise Unavailable(grpc.StatusCode.UNAVAILABLE, UNSPECIFIED, f"the server restarted ({epoch})")
+            else:
+                self._restarted(epoch)
         if call.fenced:
             self.lease_confirmed(call.sent_at)
             now = time.monotonic()
@@ -328,6 +324,14 @@ class Session(Resuming):
             if seq:
                 self.applied_seq, self.seq_known = seq, True
         return value
+
+    def _restarted(self, epoch: str) -> None:
+        """An answer from another server run, for a session that cannot resume: it is lost."""
+        message = f"the server restarted (epoch {self.epoch} is now {epoch}): attach again"
+        restarted = SessionLost(grpc.StatusCode.FAILED_PRECONDITION, UNSPECIFIED, message)
+        restarted.views_stale = True
+        self._lose(restarted)
+        self._check_not_lost()
 
     def streamed(self, response: kvmem_pb2.StepResponse) -> kvmem_pb2.StepResponse:
         """A StepStream answer as the unary Step's outcome: the response, or the error
@@ -361,7 +365,9 @@ class Session(Resuming):
         return max(self.lease_ms / 3000, 0.01)
 
     def keepalive_requests(self) -> tuple[kvmem_pb2.KeepAliveRequest, kvmem_pb2.KeepAliveRequest]:
-        """The stream's first message (it names the session) and every later one."""
+        """The stream's first message (it names the session) and every later one. A new
+        stream (after a resume) pairs answers with its own messages only."""
+        self._keepalive_sent.clear()
         return kvmem_pb2.KeepAliveRequest(session_id=self.session_id), kvmem_pb2.KeepAliveRequest()
 
     def keepalive_sent(self) -> None:
