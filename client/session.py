@@ -56,7 +56,7 @@ class Call(Generic[T]):
     ``step_stream=False``). ``ends_session``: the client stops its keep-alive once the call is done.
     ``fenced``: its answer is handed over only while the lease is known to hold (a Step:
     its pages are the session's only while the session lives). ``sent_at``: when it was
-    built, just before it is sent (monotonic seconds)."""
+    (last) sent (monotonic seconds)."""
 
     __slots__ = ("ends_session", "fenced", "method", "read", "request", "sent_at", "timeout")
 
@@ -116,8 +116,7 @@ class Session(Resuming):
         self.lease_valid_until = 0.0
         self._keepalive_sent: collections.deque[float] = collections.deque()
         self._keepalive_overflow = False  # more than _MAX_UNANSWERED unanswered: see keepalive_sent
-        # Called once, the first time the session is lost with its views stale (from the
-        # keep-alive thread, or the caller's, or its event loop): see SessionLost.views_stale.
+        # Called once, the first time the session is lost with its views stale: see SessionLost.views_stale.
         self.on_views_stale: Callable[[SessionLost], None] | None = None
         self.views_dropped = False
         self._attach_tries = 0  # Attaches retried so far (see attach_retry)
@@ -325,8 +324,7 @@ class Session(Resuming):
                 self.applied_seq, self.seq_known = seq, True
         return value
 
-    def _restarted(self, epoch: str) -> None:
-        """An answer from another server run, for a session that cannot resume: it is lost."""
+    def _restarted(self, epoch: str) -> None:  # an answer from another run: no resume, lost
         message = f"the server restarted (epoch {self.epoch} is now {epoch}): attach again"
         restarted = SessionLost(grpc.StatusCode.FAILED_PRECONDITION, UNSPECIFIED, message)
         restarted.views_stale = True
@@ -365,8 +363,7 @@ class Session(Resuming):
         return max(self.lease_ms / 3000, 0.01)
 
     def keepalive_requests(self) -> tuple[kvmem_pb2.KeepAliveRequest, kvmem_pb2.KeepAliveRequest]:
-        """The stream's first message (it names the session) and every later one. A new
-        stream (after a resume) pairs answers with its own messages only."""
+        """The first message of a new stream (it names the session) and every later one."""
         self._keepalive_sent.clear()
         return kvmem_pb2.KeepAliveRequest(session_id=self.session_id), kvmem_pb2.KeepAliveRequest()
 
