@@ -202,35 +202,13 @@ class KVCore:
         requests = self.slots
         state = requests.owner(owner)
         prefix = batch.check_lengths(self.config.max_requests)  # and whether it carries prefix work
-        undo = self.undo
-        if seq and undo is not None:
-            rel, tr, ms, al = batch.release_slots, batch.truncate_slots, batch.match_slots, batch.alloc_slots
-            if rel.size or tr.size or ms.size:
-                undo.begin(state.record, seq, [rel, tr, ms, al], rel)
-            else:
-                undo.begin_allocs(state.record, seq, al)
-            try:
-                return self._step(state, batch, quota_pages, prefix)
-            except BaseException:
-                undo.abort()  # refused before any change (a bug past that: the audit says)
-                raise
-        return self._step(state, batch, quota_pages, prefix)
-
-    def commit(self, seq: int) -> None:
-        """The Step :meth:`step` was given ``seq`` for is applied whole (the commit
-        point: see :mod:`.undo`). O(1)."""
-        if self.undo is not None:
-            self.undo.commit(seq)
-
-    def _step(self, state: Owner, batch: StepBatch, quota_pages: int | None, prefix: bool) -> StepResult:
-        requests = self.slots
         rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
         cache = self.cache
-        evictions, inserted = cache.num_evictions, cache.num_inserted
+        evictions = cache.num_evictions
         if al.size and not rel.size and not tr.size and not prefix:
-            # The decode fast path validates, plans and applies in one pass, or
-            # changes nothing and leaves the step to the general path.
-            fast = self._allocator.decode(state, al, batch.alloc_needs, batch.expectations(), quota_pages)
+            # The decode fast path validates, plans and applies in one pass (its undo
+            # record begun there), or changes nothing and leaves the step to the general path.
+            fast = self._allocator.decode(state, al, batch.alloc_needs, batch.expectations(), quota_pages, seq)
             if fast is not None:
                 evicted = cache.num_evictions - evictions
                 if evicted:
@@ -243,8 +221,27 @@ class KVCore:
                 self._finish()
                 return result
         undo = self.undo
-        if undo is not None and undo.lens_due:  # a numbered Step the fast path left before reading its lengths
-            undo.fill(al)
+        if not seq or undo is None:
+            return self._general(state, batch, quota_pages, prefix)
+        undo.begin(state.record, seq, [rel, tr, batch.match_slots, al], rel)
+        try:
+            return self._general(state, batch, quota_pages, prefix)
+        except BaseException:
+            undo.abort()  # refused before any change (a bug past that: the audit says)
+            raise
+
+    def commit(self, seq: int) -> None:
+        """The Step :meth:`step` was given ``seq`` for is applied whole (the commit
+        point: see :mod:`.undo`). O(1)."""
+        if self.undo is not None:
+            self.undo.commit(seq)
+
+    def _general(self, state: Owner, batch: StepBatch, quota_pages: int | None, prefix: bool) -> StepResult:
+        """The general path of :meth:`step`: validate every item, then apply."""
+        requests = self.slots
+        rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
+        cache = self.cache
+        evictions, inserted = cache.num_evictions, cache.num_inserted
         # validate: every item, before anything changes
         ms = batch.match_slots
         cur = steps.validate(requests, state, batch)

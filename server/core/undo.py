@@ -59,9 +59,8 @@ class UndoLog:
         self.active = False
         self.record = -1
         self._dirty = False  # entries, pages or closed slots recorded since the counts were last zeroed
-        self.lens_due = 0  # begin_allocs: lengths still to record (then activate)
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._seq = 0
+        self._k = -1  # the length count last written (a decode Step of the same size writes it not again)
 
     def begin(self, record: int, seq: int, named: list[np.ndarray], closing: np.ndarray) -> None:
         """A Step of owner ``record``, number ``seq`` (> 0), starts: the lengths of the
@@ -84,7 +83,7 @@ class UndoLog:
             image.undo_closed_slot[:k] = closing
             image.undo_word[:k] = image.slot_word.take(closing, mode="clip")
             image.undo_rid_len[:k] = image.rid_len.take(closing, mode="clip")
-        ints[_LENS] = n
+        ints[_LENS] = self._k = n
         if k or self._dirty:  # a decode Step writes none of these: they are 0 already
             ints[_CLOSED] = k
             ints[_ENTRIES] = ints[_INSERTED] = ints[_EVICTED] = 0
@@ -94,44 +93,34 @@ class UndoLog:
         ints[_SEQ] = seq
         self.active, self.record = True, record
 
-    def begin_allocs(self, record: int, seq: int, slots: np.ndarray) -> None:
-        """:meth:`begin` for a Step of allocs only (a decode Step), in the fewest
-        operations: the slots now; their lengths (:attr:`lens_due`) where the
-        allocator reads them anyway, into :meth:`lengths_view`, then
-        :meth:`activate` (or :meth:`fill` where it does not), before anything changes."""
+    def begin_decode(self, record: int, seq: int, slots: np.ndarray) -> np.ndarray:
+        """:meth:`begin` for the decode fast path (allocs only, every slot valid), in
+        the fewest operations: the slots and their lengths, read straight into the
+        record; returns those lengths (a view of the record: the allocator's own read of
+        them). O(n)."""
+        ints = self.ints
         if record != self.record or self.active:
-            self.ints[_SEQ] = 0
+            ints[_SEQ] = 0
         k = slots.size
         views = self._views.get(k) or self._cut(k)
         views[0][...] = slots
-        self.lens_due, self._seq, self.record = k, seq, record
+        lens = self._alloced.take(slots, mode="clip", out=views[1])  # clip: valid slots, and no buffering
+        if k != self._k:
+            ints[_LENS] = self._k = k
+        if self._dirty:
+            ints[_CLOSED] = ints[_ENTRIES] = ints[_INSERTED] = ints[_EVICTED] = 0
+            self._dirty = False
+        if record != self.record:
+            ints[_RECORD] = self.record = record
+        ints[_SEQ] = seq
+        self.active = True
+        return lens
 
     def _cut(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The first ``k`` entries of the slot and length records (made once per ``k``:
         a dict lookup costs less than two slicings, paid on every decode Step)."""
         views = self._views[k] = (self._len_slot[:k], self._lens[:k])
         return views
-
-    def lengths_view(self, k: int) -> np.ndarray:
-        """Where the ``k`` lengths :meth:`begin_allocs` awaits go (then :meth:`activate`)."""
-        return (self._views.get(k) or self._cut(k))[1]
-
-    def fill(self, slots: np.ndarray) -> None:
-        """The awaited lengths of ``slots`` (those given to :meth:`begin_allocs`), read here."""
-        self._alloced.take(slots, mode="clip", out=self._lens[: self.lens_due])
-        self.activate()
-
-    def activate(self) -> None:
-        """The record of :meth:`begin_allocs` is whole: the counts, then the Step's number."""
-        ints = self.ints
-        ints[_LENS] = self.lens_due
-        if self._dirty:
-            ints[_CLOSED] = ints[_ENTRIES] = ints[_INSERTED] = ints[_EVICTED] = 0
-            self._dirty = False
-        if ints[_RECORD] != self.record:
-            ints[_RECORD] = self.record
-        ints[_SEQ] = self._seq
-        self.active, self.lens_due = True, 0
 
     def entries(self, pos: np.ndarray, pages: np.ndarray) -> None:
         """Row entries at flat block-table positions ``pos``, holding ``pages``, are
@@ -166,9 +155,9 @@ class UndoLog:
 
     def abort(self) -> None:
         """The Step changed nothing (it was refused): no record."""
-        if self.active or self.lens_due:
+        if self.active:
             self.ints[_SEQ] = 0
-            self.active, self.lens_due = False, 0
+            self.active = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

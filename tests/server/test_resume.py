@@ -124,27 +124,27 @@ def serve(directory: str, *extra: str, env: dict[str, str] | None = None, wait: 
 
 def finish(workers: list[LineProcess], stop: str) -> list[dict]:
     open(stop, "w").close()
-    return [json.loads(w.expect("done", timeout=60)) for w in workers]
+    return [json.loads(w.expect("done", timeout=120)) for w in workers]
 
 
 def test_workers_resume_through_random_sigkills_with_every_value_and_no_token_again() -> None:
     directory = short_tmpdir()
     stop = os.path.join(directory, "stop")
     rng = random.Random(int(os.environ.get("KVMEM_TEST_SEED", "22")))
-    srv = serve(directory)
+    srv = serve(directory, "--num-pages", "3072")
     servers = [srv]
     workers = [
         LineProcess(f"w{i}", WORKER, srv.target, f"w{i}", stop, "sync" if i % 2 == 0 else "async", "decode")
-        for i in range(4)
+        for i in range(16)
     ]
     try:
         for w in workers:
-            w.expect("ready")
+            w.expect("ready", timeout=120)
         kills = 4
         for _ in range(kills):
             time.sleep(rng.uniform(0.2, 0.8))
             assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
-            srv = serve(directory)
+            srv = serve(directory, "--num-pages", "3072")
             servers.append(srv)
             assert "nothing to repair" in srv.log().split("--keep-state: adopted")[-1], srv.log()
         time.sleep(0.5)
@@ -155,7 +155,7 @@ def test_workers_resume_through_random_sigkills_with_every_value_and_no_token_ag
             assert r["lens"] == [40 + r["steps"]] * 4, r  # each Step applied once, nothing allocated again
         with KVMemClient(srv.target, name="look") as kv:
             origin = kv.stats().origin
-            assert (origin.kind, origin.sessions, origin.resumed, origin.not_resumed) == ("adopted", 4, 4, 0), origin
+            assert (origin.kind, origin.sessions, origin.resumed, origin.not_resumed) == ("adopted", 16, 16, 0), origin
     finally:
         for w in workers:
             w.kill()

@@ -273,6 +273,9 @@ def test_calls_gRPC_holds_when_the_shutdown_starts_are_unavailable_shutting_down
             assert isinstance(outcome, Unavailable), (name, outcome)
             assert (outcome.code, outcome.reason) == (grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN"), (name, outcome)
         for client in (unary, streamed, opener):  # their keep-alive streams told them
+            thread = client._keepalive_thread  # it ends once it has read the stream's end: wait for that, not a race
+            assert thread is not None
+            thread.join(timeout=30)
             with pytest.raises(SessionLost) as lost:
                 client.stats()
             assert lost.value.reason == "SHUTTING_DOWN" and lost.value.views_stale, lost.value
