@@ -54,6 +54,7 @@ _STATE_INTS = (
     "writer_pid", "num_free_pages", "num_free_slots", "next_owner", "num_namespaces",
     # the undo record (.undo): the Step's sequence number (0: none open), its owner's record, counts
     "undo_seq", "undo_record", "undo_lens", "undo_closed", "undo_entries", "undo_inserted", "undo_evicted",
+    "undo_kind",  # 1: a decode Step's record (lengths and evictions only), 0: any other
 )  # fmt: skip
 _STATE_AT = {name: len(_HEADER_INTS) + i for i, name in enumerate(_STATE_INTS)}
 

@@ -42,7 +42,8 @@ __all__ = ["PendingUndo", "UndoLog", "pending", "undo"]
 
 _SEQ, _RECORD = _STATE_AT["undo_seq"], _STATE_AT["undo_record"]
 _LENS, _CLOSED, _ENTRIES = _STATE_AT["undo_lens"], _STATE_AT["undo_closed"], _STATE_AT["undo_entries"]
-_INSERTED, _EVICTED = _STATE_AT["undo_inserted"], _STATE_AT["undo_evicted"]
+_INSERTED, _EVICTED, _KIND = _STATE_AT["undo_inserted"], _STATE_AT["undo_evicted"], _STATE_AT["undo_kind"]
+_DECODE = 1  # a record of lengths and evictions only: its other counts are not read
 
 
 class UndoLog:
@@ -59,6 +60,8 @@ class UndoLog:
         self.active = False
         self.record = -1
         self._dirty = False  # entries, pages or closed slots recorded since the counts were last zeroed
+        self._evicted = False  # evictions recorded since that count was last zeroed
+        self._kind = -1  # the record kind last written
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._k = -1  # the length count last written (a decode Step of the same size writes it not again)
 
@@ -84,10 +87,12 @@ class UndoLog:
             image.undo_word[:k] = image.slot_word.take(closing, mode="clip")
             image.undo_rid_len[:k] = image.rid_len.take(closing, mode="clip")
         ints[_LENS] = self._k = n
-        if k or self._dirty:  # a decode Step writes none of these: they are 0 already
+        if k or self._dirty:
             ints[_CLOSED] = k
             ints[_ENTRIES] = ints[_INSERTED] = ints[_EVICTED] = 0
-            self._dirty = bool(k)
+            self._dirty, self._evicted = bool(k), False
+        if self._kind != 0:
+            ints[_KIND] = self._kind = 0
         if record != self.record:
             ints[_RECORD] = record
         ints[_SEQ] = seq
@@ -107,9 +112,11 @@ class UndoLog:
         lens = self._alloced.take(slots, mode="clip", out=views[1])  # clip: valid slots, and no buffering
         if k != self._k:
             ints[_LENS] = self._k = k
-        if self._dirty:
-            ints[_CLOSED] = ints[_ENTRIES] = ints[_INSERTED] = ints[_EVICTED] = 0
-            self._dirty = False
+        if self._evicted:  # the other counts a decode record does not read: left as they are
+            ints[_EVICTED] = 0
+            self._evicted = False
+        if self._kind != _DECODE:
+            ints[_KIND] = self._kind = _DECODE
         if record != self.record:
             ints[_RECORD] = self.record = record
         ints[_SEQ] = seq
@@ -139,6 +146,7 @@ class UndoLog:
             (self.image.undo_inserted if which == _INSERTED else self.image.undo_evicted)[n : n + k] = pages
             self.ints[which] = n + k
             self._dirty = True
+            self._evicted |= which == _EVICTED
 
     def inserted(self, pages: np.ndarray) -> None:
         self.pages(_INSERTED, pages)
@@ -192,6 +200,8 @@ def pending(image: CoreImage) -> PendingUndo | None:
     if seq <= 0 or not 0 <= record < image.owner_seq.size or int(image.owner_seq[record]) >= seq:
         return None
     counts = (int(ints[_LENS]), int(ints[_CLOSED]), int(ints[_ENTRIES]), int(ints[_INSERTED]), int(ints[_EVICTED]))
+    if int(ints[_KIND]) == _DECODE:  # lengths and evictions only
+        counts = (counts[0], 0, 0, 0, counts[4])
     sizes = (image.undo_len.size, image.undo_word.size, image.undo_pos.size, image.undo_inserted.size,
              image.undo_evicted.size)  # fmt: skip
     if any(not 0 <= c <= s for c, s in zip(counts, sizes, strict=True)):
