@@ -152,8 +152,10 @@ class Allocator:
         requests = self.requests
         if not self._ones_bytes.startswith(need.tobytes()) or not requests.all_mine(state, slots):
             return None
-        if seq and self.undo is not None:  # a numbered Step: its lengths read once, into its undo record
-            cur = self.undo.begin_decode(state.record, seq, slots)
+        undo = self.undo if seq else None
+        if undo is not None:  # a numbered Step: its lengths and positions written into its undo record
+            lens, at = undo.decode_views(state.record, n)
+            cur = requests.alloced.take(slots, mode="clip", out=lens)  # clip: valid slots, and no buffering
         else:
             cur = requests.alloced[slots]
         if expected is not None:
@@ -173,7 +175,12 @@ class Allocator:
         if total > self.pool.num_available or (quota is not None and total > quota - state.num_pages_held):
             return None
         status, kv_off, no_pages = self._decode_views.get(n) or self._views(n)
-        pos = slots * table.width + col  # flat block-table entries
+        if undo is not None:
+            pos = np.multiply(slots, table.width, out=at)  # flat block-table entries
+            pos += col
+            undo.activate_decode(state.record, seq, n)
+        else:
+            pos = slots * table.width + col  # flat block-table entries
         page = table.flat.take(pos)  # int32: the page each token lands in (0 where a new one goes)
         if total:
             pages = requests.grow(state, slots, cur + 1, pos[grow], total)

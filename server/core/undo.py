@@ -98,18 +98,19 @@ class UndoLog:
         ints[_SEQ] = seq
         self.active, self.record = True, record
 
-    def begin_decode(self, record: int, seq: int, slots: np.ndarray) -> np.ndarray:
+    def decode_views(self, record: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`begin` for the decode fast path (allocs only, every slot valid), in
-        the fewest operations: the slots and their lengths, read straight into the
-        record; returns those lengths (a view of the record: the allocator's own read of
-        them). O(n)."""
-        ints = self.ints
+        the fewest operations: where the allocator writes the ``k`` lengths it reads and
+        the flat block-table positions it computes anyway (``slot * width + column``:
+        the slot is the position's quotient), then :meth:`activate_decode`, before it
+        changes anything. Nothing is copied for the record."""
         if record != self.record or self.active:
-            ints[_SEQ] = 0
-        k = slots.size
-        views = self._views.get(k) or self._cut(k)
-        views[0][...] = slots
-        lens = self._alloced.take(slots, mode="clip", out=views[1])  # clip: valid slots, and no buffering
+            self.ints[_SEQ] = 0  # the last record is stale only for its own owner
+        return self._views.get(k) or self._cut(k)
+
+    def activate_decode(self, record: int, seq: int, k: int) -> None:
+        """The decode record of :meth:`decode_views` is written: its counts, then its number."""
+        ints = self.ints
         if k != self._k:
             ints[_LENS] = self._k = k
         if self._evicted:  # the other counts a decode record does not read: left as they are
@@ -121,12 +122,11 @@ class UndoLog:
             ints[_RECORD] = self.record = record
         ints[_SEQ] = seq
         self.active = True
-        return lens
 
     def _cut(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The first ``k`` entries of the slot and length records (made once per ``k``:
+        """The first ``k`` entries of the length and slot records (made once per ``k``:
         a dict lookup costs less than two slicings, paid on every decode Step)."""
-        views = self._views[k] = (self._len_slot[:k], self._lens[:k])
+        views = self._views[k] = (self._lens[:k], self._len_slot[:k])
         return views
 
     def entries(self, pos: np.ndarray, pages: np.ndarray) -> None:
@@ -200,15 +200,17 @@ def pending(image: CoreImage) -> PendingUndo | None:
     if seq <= 0 or not 0 <= record < image.owner_seq.size or int(image.owner_seq[record]) >= seq:
         return None
     counts = (int(ints[_LENS]), int(ints[_CLOSED]), int(ints[_ENTRIES]), int(ints[_INSERTED]), int(ints[_EVICTED]))
-    if int(ints[_KIND]) == _DECODE:  # lengths and evictions only
+    decode = int(ints[_KIND]) == _DECODE
+    if decode:  # lengths and evictions only; the slots are given as flat block-table positions
         counts = (counts[0], 0, 0, 0, counts[4])
     sizes = (image.undo_len.size, image.undo_word.size, image.undo_pos.size, image.undo_inserted.size,
              image.undo_evicted.size)  # fmt: skip
     if any(not 0 <= c <= s for c, s in zip(counts, sizes, strict=True)):
         return None
     n, k, e, i, v = counts
+    slots = image.undo_len_slot[:n] // image.layout.width if decode else image.undo_len_slot[:n].copy()
     return PendingUndo(
-        record, seq, image.undo_len_slot[:n].copy(), image.undo_len[:n].copy(), image.undo_closed_slot[:k].copy(),
+        record, seq, slots, image.undo_len[:n].copy(), image.undo_closed_slot[:k].copy(),
         image.undo_word[:k].copy(), image.undo_rid_len[:k].copy(), image.undo_pos[:e].copy(),
         image.undo_page[:e].copy(), image.undo_inserted[:i].copy(), image.undo_evicted[:v].copy(),
     )  # fmt: skip
