@@ -55,6 +55,7 @@ _STATE_INTS = (
     # the undo record (.undo): the Step's sequence number (0: none open), its owner's record, counts
     "undo_seq", "undo_record", "undo_lens", "undo_closed", "undo_entries", "undo_inserted", "undo_evicted",
     "undo_kind",  # 1: a decode Step's record (lengths and evictions only), 0: any other
+    "undo_rows", "undo_row_width",  # the released rows' block: how many rows, of how many entries
 )  # fmt: skip
 _STATE_AT = {name: len(_HEADER_INTS) + i for i, name in enumerate(_STATE_INTS)}
 
@@ -109,6 +110,8 @@ class ImageLayout:
             ("undo_closed_slot", np.int64, (slots,)),
             ("undo_word", np.int64, (slots,)),
             ("undo_rid_len", np.int16, (slots,)),
+            ("undo_row_slot", np.int64, (slots,)),
+            ("undo_row_pages", np.int32, (slots * self.width,)),
             ("undo_pos", np.int64, (slots * self.width,)),
             ("undo_page", np.int32, (slots * self.width,)),
             ("undo_inserted", np.int32, (pages,)),
@@ -173,6 +176,8 @@ class CoreImage:
         self.undo_closed_slot: np.ndarray
         self.undo_word: np.ndarray
         self.undo_rid_len: np.ndarray
+        self.undo_row_slot: np.ndarray
+        self.undo_row_pages: np.ndarray
         self.undo_pos: np.ndarray
         self.undo_page: np.ndarray
         self.undo_inserted: np.ndarray

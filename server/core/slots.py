@@ -370,9 +370,8 @@ class RequestTable:
         width = -(-longest // ps)
         heads, zero = self._row_heads(width)
         pages = heads[slots].view(_INT32)  # the rows' first `width` entries, row after row
-        undo = self._undo
-        if undo is not None and undo.active:
-            undo.entries((slots[:, None] * self.table.width + self._col[:width]).reshape(-1), pages)
+        if self._undo is not None:
+            self._undo.rows(slots, width, pages)
         if alloced.item(alloced.argmin()) <= (width - 1) * ps:  # some row holds fewer pages
             pages = pages.reshape(-1, width)[self._col[:width] < self.table.num_pages_for(alloced)[:, None]]
         self.pool.unref(pages, hold)

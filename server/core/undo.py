@@ -44,6 +44,7 @@ _SEQ, _RECORD = _STATE_AT["undo_seq"], _STATE_AT["undo_record"]
 _LENS, _CLOSED, _ENTRIES = _STATE_AT["undo_lens"], _STATE_AT["undo_closed"], _STATE_AT["undo_entries"]
 _INSERTED, _EVICTED, _KIND = _STATE_AT["undo_inserted"], _STATE_AT["undo_evicted"], _STATE_AT["undo_kind"]
 _DECODE = 1  # a record of lengths and evictions only: its other counts are not read
+_ROWS, _ROW_WIDTH = _STATE_AT["undo_rows"], _STATE_AT["undo_row_width"]
 
 
 class UndoLog:
@@ -89,7 +90,7 @@ class UndoLog:
         ints[_LENS] = self._k = n
         if k or self._dirty:
             ints[_CLOSED] = k
-            ints[_ENTRIES] = ints[_INSERTED] = ints[_EVICTED] = 0
+            ints[_ENTRIES] = ints[_INSERTED] = ints[_EVICTED] = ints[_ROWS] = 0
             self._dirty, self._evicted = bool(k), False
         if self._kind != 0:
             ints[_KIND] = self._kind = 0
@@ -139,6 +140,23 @@ class UndoLog:
             self.ints[_ENTRIES] = n + k
             self._dirty = True
 
+    def rows(self, slots: np.ndarray, width: int, heads: np.ndarray) -> None:
+        """The first ``width`` entries of the rows of ``slots`` (``heads``, row after row)
+        are about to be zeroed (a release): kept as one block, with no position per
+        entry. One block per Step (a Step releases once); another goes as entries."""
+        if not self.active or not slots.size:
+            return
+        ints = self.ints
+        if ints[_ROWS]:
+            self.entries((slots[:, None] * self.image.layout.width + np.arange(width)).reshape(-1), heads)
+            return
+        n = slots.size
+        self.image.undo_row_slot[:n] = slots
+        self.image.undo_row_pages[: n * width] = heads
+        ints[_ROW_WIDTH] = width
+        ints[_ROWS] = n
+        self._dirty = True
+
     def pages(self, which: int, pages: np.ndarray) -> None:
         """Pages about to be cached (``which`` is ``_INSERTED``) or evicted (``_EVICTED``)."""
         if self.active and pages.size:
@@ -183,11 +201,14 @@ class PendingUndo:
     pages: np.ndarray
     inserted: np.ndarray
     evicted: np.ndarray
+    row_slots: np.ndarray
+    row_heads: np.ndarray  # (len(row_slots), width): the rows' first entries
 
     def describe(self, owner: int) -> str:
         return (
             f"a Step (number {self.seq}) of owner {owner} cut by the crash was undone: {self.lens.size} length(s), "
-            f"{self.closed_slot.size} closed slot(s), {self.pos.size} row entries, {self.inserted.size} page(s) "
+            f"{self.closed_slot.size} closed slot(s), {self.row_slots.size} row(s) and {self.pos.size} row entries, "
+            f"{self.inserted.size} page(s) "
             f"cached and {self.evicted.size} evicted put back as they were"
         )
 
@@ -201,8 +222,11 @@ def pending(image: CoreImage) -> PendingUndo | None:
         return None
     counts = (int(ints[_LENS]), int(ints[_CLOSED]), int(ints[_ENTRIES]), int(ints[_INSERTED]), int(ints[_EVICTED]))
     decode = int(ints[_KIND]) == _DECODE
+    rows, width = int(ints[_ROWS]), int(ints[_ROW_WIDTH])
     if decode:  # lengths and evictions only; the slots are given as flat block-table positions
-        counts = (counts[0], 0, 0, 0, counts[4])
+        counts, rows = (counts[0], 0, 0, 0, counts[4]), 0
+    if not 0 <= rows <= image.undo_row_slot.size or not 0 <= width <= image.layout.width:
+        return None
     sizes = (image.undo_len.size, image.undo_word.size, image.undo_pos.size, image.undo_inserted.size,
              image.undo_evicted.size)  # fmt: skip
     if any(not 0 <= c <= s for c, s in zip(counts, sizes, strict=True)):
@@ -213,6 +237,7 @@ def pending(image: CoreImage) -> PendingUndo | None:
         record, seq, slots, image.undo_len[:n].copy(), image.undo_closed_slot[:k].copy(),
         image.undo_word[:k].copy(), image.undo_rid_len[:k].copy(), image.undo_pos[:e].copy(),
         image.undo_page[:e].copy(), image.undo_inserted[:i].copy(), image.undo_evicted[:v].copy(),
+        image.undo_row_slot[:rows].copy(), image.undo_row_pages[: rows * width].reshape(rows, width).copy(),
     )  # fmt: skip
 
 
@@ -236,6 +261,9 @@ def undo(
     closed = np.clip(record.closed_slot, 0, n_slots - 1)
     words[closed] = record.words
     rid_len[closed] = record.rid_lens
+    if record.row_slots.size:  # recorded at the release, the Step's first change of them
+        row_slots = np.clip(record.row_slots, 0, rows.shape[0] - 1)
+        rows[row_slots, : record.row_heads.shape[1]] = record.row_heads
     if record.pos.size:
         pos_first = np.unique(record.pos, return_index=True)[1]
         ok = record.pos[pos_first] < flat.size
