@@ -159,13 +159,13 @@ class AsyncKVMemClient(ClientBase):
             try:
                 return await self._perform_once(call)
             except KVMemError as err:
-                if call.method == "Attach" or not session.resumable(err):
-                    session.step_failed(call, err)
-                    if isinstance(err, SessionLost) and session.lost is not None and err is not session.lost:
-                        raise session.lost.with_traceback(None) from None  # the first cause (a resume refused)
+                raised = session.call_failed(call, err)
+                if raised is err:
                     raise
+                if raised is not None:
+                    raise raised from None
             except BaseException:  # interrupted, cancelled: the Step's fate is not known
-                session.step_failed(call, None)
+                session.call_failed(call, None)
                 raise
             await self._resume(seen)
             if call.method == "Step":

@@ -189,6 +189,18 @@ class Resuming:
             f"(the last applied is {applied}) but its answer was not kept (larger than the server keeps)",
         )  # fmt: skip
 
+    def call_failed(self, call: Call[Any], err: KVMemError | None) -> KVMemError | None:
+        """A call failed with ``err`` (None: interrupted or cancelled): None when the
+        session is to be resumed and the call made again; else the error to raise (the
+        session's first cause when a resume refused it meanwhile), the Step's number
+        left unknown if its fate is (:meth:`step_failed`)."""
+        if err is not None and call.method != "Attach" and self.resumable(err):
+            return None
+        self.step_failed(call, err)
+        if isinstance(err, SessionLost) and self.lost is not None and err is not self.lost:
+            return self.lost.with_traceback(None)  # a resume refused the session meanwhile
+        return err
+
     def step_failed(self, call: Call[Any], err: KVMemError | None) -> None:
         """A Step failed without an answer that says it was refused (a deadline, a
         cancel, an interrupt (``err`` None), a broken connection not resumed): its fate

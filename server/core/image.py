@@ -43,7 +43,7 @@ __all__ = ["MAGIC", "VERSION", "CoreImage", "ImageLayout", "ImageMismatch"]
 
 MAGIC = b"KVMCORE1"
 VERSION = 2
-RID_BYTES = 256  # MAX_REQUEST_ID_BYTES in .slots
+RID_BYTES = 256  # MAX_REQUEST_ID_BYTES in .slot_errors
 NS_BYTES = 1024  # a namespace's UTF-8 (at most 256 characters: sessions.MAX_NAMESPACE_CHARS)
 MAX_NAMESPACES = 4096
 SID_BYTES = 64  # a session id (ASCII; the server makes 32-character ones)

@@ -13,9 +13,12 @@ What is recorded (each array grows by appending; its count in the header is writ
 after its entries, so a crash never leaves a count over entries not yet written):
 
 * the length of every slot the Step names, before it (released, truncated, matched,
-  allocated): a decode Step records its alloc slots' lengths and nothing else;
+  allocated); a decode Step's record (``undo_kind`` 1) holds its alloc slots' lengths
+  and their flat block-table positions (the slot is a position's quotient), written
+  there by the allocator as it reads and computes them, and its evictions, nothing else;
 * the owner word and request-id length of every slot it closes (a release);
-* each row entry before a release, a truncate or a cache switch overwrote it;
+* the rows a release zeroes, as one block (their first ``width`` entries), and each row
+  entry before a truncate or a cache switch overwrote it;
 * the pages it cached (their ``cached`` flags cleared again) and the pages its allocs
   evicted (cached again: their facts stay in the image until they are cached anew,
   which no later item of the same Step does: cache items come before allocs).
@@ -25,9 +28,10 @@ are derived at adoption from the rows and the flags. The record's start (:meth:`
 clears ``undo_seq`` first and sets it last, so a record half written is no record. The
 LRU order is not put back (an order "good enough to evict by").
 
-Cost per Step: one gather and one copy of the named slots' lengths (O(n)); a release,
-truncate, switch, insert or eviction writes its own entries once more (O(P)). Nothing
-is proportional to the pool.
+Cost per Step: a decode Step copies nothing (its lengths and positions are written
+once, into the record) and writes its kind and number; any other Step copies the named
+slots and their lengths (O(n)), and a release, truncate, switch, insert or eviction
+writes what it overwrites once more (O(P)). Nothing is proportional to the pool.
 """
 
 from __future__ import annotations
