@@ -40,14 +40,17 @@ class Reason(enum.Enum):
     DUPLICATE_SLOT = ("DUPLICATE_SLOT", ErrorKind.INVALID_ARGUMENT)
     # NOT_FOUND: never says whether the slot belongs to someone else.
     SLOT_NOT_FOUND = ("SLOT_NOT_FOUND", ErrorKind.NOT_FOUND)
+    TICKET_NOT_FOUND = ("TICKET_NOT_FOUND", ErrorKind.NOT_FOUND)  # no open hand-off ticket of that value
     # FAILED_PRECONDITION: the input is well formed but disagrees with the state.
     UNKNOWN_SESSION = ("UNKNOWN_SESSION", ErrorKind.FAILED_PRECONDITION)
     ALLOCED_LEN_MISMATCH = ("ALLOCED_LEN_MISMATCH", ErrorKind.FAILED_PRECONDITION)
     TRUNCATE_BEYOND_ALLOCED = ("TRUNCATE_BEYOND_ALLOCED", ErrorKind.FAILED_PRECONDITION)
     PAGE_SHARED = ("PAGE_SHARED", ErrorKind.FAILED_PRECONDITION)  # a write into a page the prefix cache shares
+    NAMESPACE_MISMATCH = ("NAMESPACE_MISMATCH", ErrorKind.FAILED_PRECONDITION)  # a ticket of another namespace
     # RESOURCE_EXHAUSTED: a resource that is not pages (pages are a per-item result).
     NO_FREE_REQUEST_SLOT = ("NO_FREE_REQUEST_SLOT", ErrorKind.RESOURCE_EXHAUSTED)
     TOO_MANY_SESSIONS = ("TOO_MANY_SESSIONS", ErrorKind.RESOURCE_EXHAUSTED)  # the max_sessions limit
+    QUOTA_EXCEEDED = ("QUOTA_EXCEEDED", ErrorKind.RESOURCE_EXHAUSTED)  # an adoption past the session's quota
     # Transport-level reasons raised by the service.
     BAD_TOKEN = ("BAD_TOKEN", ErrorKind.UNAUTHENTICATED)
     SHUTTING_DOWN = ("SHUTTING_DOWN", ErrorKind.UNAVAILABLE)

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvmem.server.core.config import CoreConfig
+from kvmem.server.core.handoff import HOLDER_NAME
 from kvmem.server.core.events import CacheEvent
 from kvmem.server.core.hashing import PageKeys, XXH3Keys
 from kvmem.server.core.image import CoreImage, ImageLayout, ImageMismatch
@@ -158,6 +159,15 @@ class _Facts:
         self.sessions = {
             int(image.owner_id[r]): (*image.session(int(r)), int(image.owner_seq[r])) for r in records.tolist()
         }
+        # The hand-off tickets' holder: its tickets were this process's only, so no one can
+        # adopt its requests: they are closed (their givers dropped them), the holder forgotten.
+        holders = [o for o, s in self.sessions.items() if s[:2] == ("", HOLDER_NAME)]
+        held = np.isin(self.slot_owner, holders)
+        self.tickets_closed = int(np.count_nonzero(held))
+        self.slot_owner[held] = 0
+        self.rows[held[: self.rows.shape[0]]] = 0
+        self.owners = {o: ns for o, ns in self.owners.items() if o not in holders}
+        self.sessions = {o: s for o, s in self.sessions.items() if o not in holders}
         self.cached = np.flatnonzero(flags[1:]) + 1
         c = self.cached
         self.key = [image.page_key[p].tobytes() for p in c.tolist()]
@@ -217,6 +227,8 @@ class _Facts:
             if not self.rids[s] or key in seen:
                 closing[s] = True
             seen.add(key)
+        if self.tickets_closed:
+            self.repaired.append(f"{self.tickets_closed} hand-off ticket(s) not adopted released (tickets are not kept)")
         if np.count_nonzero(closing):
             self.repaired.append(f"{int(np.count_nonzero(closing))} request slot(s) of unknown owners or ids closed")
         slot_owner[closing] = 0

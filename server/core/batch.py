@@ -136,6 +136,11 @@ class StepBatch:
     match_slots: np.ndarray = dataclasses.field(default_factory=_empty)
     match_tokens: TokenLists | None = None  # one list per match item (None only when there are none)
     match_max_tokens: np.ndarray | None = None  # None, or one per match item: -1 = no limit
+    # Hand-offs and adoptions (see :mod:`kvmem.server.core.handoff`)
+    handoff_slots: np.ndarray = dataclasses.field(default_factory=_empty)
+    handoff_states: tuple[bytes, ...] = ()  # empty, or one opaque state per hand-off item
+    adopt_tickets: tuple[str, ...] = ()
+    adopt_request_ids: tuple[str, ...] = ()  # one per adopt item
 
     @classmethod
     def of(
@@ -151,10 +156,14 @@ class StepBatch:
         release_tokens: Sequence[Sequence[int] | np.ndarray | None] | None = None,
         cache: Sequence[tuple[int, Sequence[int] | np.ndarray]] = (),
         match: Sequence[tuple[int, Sequence[int] | np.ndarray] | tuple[int, Sequence[int] | np.ndarray, int]] = (),
+        handoff: Sequence[int] | np.ndarray = (),
+        handoff_states: Sequence[bytes] = (),
+        adopt: Sequence[tuple[str, str]] = (),
     ) -> StepBatch:
         """A batch from sequences or integer arrays of any dtype; BAD_VALUE names the
         column of anything that is not a 1-D list of integers. ``cache`` items are
-        ``(slot, token_ids)``, ``match`` items ``(slot, token_ids[, max_tokens])``."""
+        ``(slot, token_ids)``, ``match`` items ``(slot, token_ids[, max_tokens])``,
+        ``adopt`` items ``(ticket, request_id)``."""
         limits = [m[2] if len(m) > 2 else NO_EXPECTATION for m in match]
         return cls(
             index_array(release_slots, "release_slots"),
@@ -170,6 +179,10 @@ class StepBatch:
             index_array([m[0] for m in match], "match_slots"),
             TokenLists.of([m[1] for m in match], "match_token_ids") if match else None,
             index_array(limits, "match_max_tokens") if any(x != NO_EXPECTATION for x in limits) else None,
+            index_array(handoff, "handoff_slots"),
+            tuple(handoff_states),
+            tuple(a[0] for a in adopt),
+            tuple(a[1] for a in adopt),
         )
 
     def expectations(self) -> np.ndarray | None:
@@ -283,6 +296,10 @@ class StepResult:
     changed_rows: np.ndarray = dataclasses.field(
         default_factory=_no_int32
     )  # slots whose rows matches and cache items rewrote (int64 or int32)
+    tickets: tuple[str, ...] = ()  # one per hand-off item
+    adopt_slots: np.ndarray = dataclasses.field(default_factory=_no_int32)  # int32 [a]: each adoption's slot
+    adopt_lens: np.ndarray = dataclasses.field(default_factory=_no_int32)  # int32 [a]: its alloced_len
+    adopt_states: tuple[bytes, ...] = ()  # the state each ticket was handed off with (b"" if none)
 
 
 def raise_first(bad: np.ndarray, error: Callable[[int], KVMemError]) -> None:

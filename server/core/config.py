@@ -59,12 +59,14 @@ class PoolStats:
     num_used_pages: int
     num_quarantined_pages: int  # of owners removed with a quarantine, not yet released
     num_free_request_slots: int
-    num_open_requests: int
-    owners: tuple[OwnerUsage, ...]
+    num_open_requests: int  # a hand-off ticket's request is open (held by no owner)
+    owners: tuple[OwnerUsage, ...]  # the tickets' holder is none of them
     num_cache_entries: int = 0  # pages with a key in the prefix cache, held or not
     num_evictions: int = 0  # since start
     prefix_query_tokens: int = 0  # tokens match items asked for, since start
     prefix_hit_tokens: int = 0  # tokens they matched
+    num_handoff_tickets: int = 0  # open hand-off tickets
+    num_handoff_pages: int = 0  # page references their requests hold (counted in num_used_pages)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -13,6 +14,7 @@ from kvmem.server.core.audit import audit
 from kvmem.server.core.batch import NO_INT32, StepBatch, StepResult
 from kvmem.server.core.config import AuditReport, CoreConfig, OwnerId, OwnerUsage, PoolStats
 from kvmem.server.core.events import AllCleared, CacheEvent
+from kvmem.server.core.handoff import Tickets
 from kvmem.server.core.hashing import PageKeys, XXH3Keys
 from kvmem.server.core.image import CoreImage
 from kvmem.server.core.pool import PagePool
@@ -82,6 +84,7 @@ class KVCore:
         self.block_table = self.table.array
         self.slots = RequestTable(config.max_requests, self.table, self.pool, image, self.undo)
         self._allocator = Allocator(config, self.pool, self.table, self.slots, self.undo)
+        self.tickets = Tickets(self.slots, image)  # requests handed off, until adopted (see .handoff)
         self.audit_every_step = audit_every_step
         # Pages of removed owners that no one may take yet, by owner (see remove_owner).
         self._quarantine: dict[int, list[np.ndarray]] = {}
@@ -108,7 +111,11 @@ class KVCore:
         :meth:`release_quarantine`. O(its requests + their pages). Returns the number of
         requests."""
         hold: list[np.ndarray] | None = [] if quarantine else None
-        released = self.slots.remove_owner(self.slots.owner(owner), hold)
+        state = self.slots.owner(owner)
+        given = self.tickets.of_giver(owner)
+        if given:  # its tickets end with it, as its requests do
+            self.tickets.release(given, hold, expired=False)
+        released = self.slots.remove_owner(state, hold)
         if hold:
             self._quarantine[owner] = hold
             self.pool.mark_held(owner, hold)
@@ -135,8 +142,20 @@ class KVCore:
             self.pool.mark_held(owner, hold)
 
     def owner_ids(self) -> list[int]:
-        """Every owner's index (an adopted core's are the last run's)."""
-        return list(self.slots.owners)
+        """Every owner's index (an adopted core's are the last run's), the tickets' holder's not."""
+        return [o for o in self.slots.owners if o != self.tickets.holder_index]
+
+    # --------------------------------------------------------------- hand-offs
+
+    def release_tickets(self, tickets: Sequence[str]) -> int:
+        """Release the open ones of hand-off ``tickets`` (their window passed) as a
+        release would release their requests; returns how many were open. O(n + their pages)."""
+        released = self.tickets.release(tickets)
+        self._finish()
+        return released
+
+    def has_ticket(self, ticket: str) -> bool:
+        return ticket in self.tickets.by_ticket
 
     def quarantine_owners(self) -> list[int]:
         """The owners whose quarantines hold pages."""
@@ -205,7 +224,8 @@ class KVCore:
         rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
         cache = self.cache
         evictions = cache.num_evictions
-        if al.size and not rel.size and not tr.size and not prefix:
+        moves = batch.handoff_slots.size or batch.adopt_tickets or batch.adopt_request_ids
+        if al.size and not rel.size and not tr.size and not prefix and not moves:
             # The decode fast path validates, plans and applies in one pass (its undo
             # record begun there), or changes nothing and leaves the step to the general path.
             fast = self._allocator.decode(state, al, batch.alloc_needs, batch.expectations(), quota_pages, seq)
@@ -220,10 +240,15 @@ class KVCore:
                 )  # fmt: skip
                 self._finish()
                 return result
+        closing = rel
+        if moves:  # the slots it hands off and adopts change owners: their words go into the record
+            closing = np.concatenate([rel, batch.handoff_slots, self.tickets.slots_of(batch.adopt_tickets)])
+            if closing.size > self.config.max_requests:  # slots named twice: refused below, before any change
+                closing = rel
         undo = self.undo
         if not seq or undo is None:
             return self._general(state, batch, quota_pages, prefix)
-        undo.begin(state.record, seq, [rel, tr, batch.match_slots, al], rel)
+        undo.begin(state.record, seq, [rel, tr, batch.match_slots, al], closing)
         try:
             return self._general(state, batch, quota_pages, prefix)
         except BaseException:
@@ -243,11 +268,18 @@ class KVCore:
         cache = self.cache
         evictions, inserted = cache.num_evictions, cache.num_inserted
         # validate: every item, before anything changes
-        ms = batch.match_slots
-        cur = steps.validate(requests, state, batch)
+        ms, hs, tickets = batch.match_slots, batch.handoff_slots, self.tickets
+        adopted, found = None, None
+        if batch.adopt_tickets or batch.adopt_request_ids:
+            adopted, found = tickets.check_adopts(state, batch, self.config.max_requests)
+        cur = steps.validate(requests, state, batch, adopted)
         plan = None
         if prefix or (tr.size and cache.enabled and cache.num_entries):
             plan = prefix_step.validate(cache, requests, state, batch)
+        if hs.size:
+            tickets.check_handoffs(state, batch)
+        if adopted is not None:
+            tickets.check_quota(state, batch, adopted, quota_pages)
         # apply, in the step's order
         released = 0
         if rel.size:
@@ -256,6 +288,7 @@ class KVCore:
             released += requests.release(state, rel)
         if tr.size:
             released += requests.truncate(state, tr, batch.truncate_lens)
+        handed = tickets.hand_off(state, batch) if hs.size else ()
         if crash.armed:
             crash.at("after-releases")
         switched, changed = NO_INT32, list[int]()
@@ -267,6 +300,7 @@ class KVCore:
             if cur is not None:
                 cur = requests.alloced[al]  # matched slots start where their match ended
                 needs = prefix_step.remainders(requests, batch, lens)
+        adoption = None if found is None or adopted is None else tickets.adopt(state, batch, adopted, found)
         if crash.armed:
             crash.at("after-prefix")
         allocs = NO_ALLOCS if cur is None else self._allocator.alloc(state, al, needs, cur, batch.atomic, quota_pages)
@@ -279,8 +313,10 @@ class KVCore:
         status, kv_loc, kv_off, pages, page_off, refused = allocs
         result = StepResult(
             status, kv_loc, kv_off, pages, page_off, released, refused, lens, switched,
-            cache.num_inserted - inserted, evicted, changed_rows,
+            cache.num_inserted - inserted, evicted, changed_rows, handed,
         )  # fmt: skip
+        if adoption is not None:
+            result.adopt_slots, result.adopt_lens, result.adopt_states = adoption
         self._finish()
         return result
 
@@ -308,6 +344,8 @@ class KVCore:
             num_quarantined_pages=num_quarantined,
             num_free_request_slots=slots.num_free,
             num_open_requests=self.config.max_requests - slots.num_free,
+            num_handoff_tickets=len(self.tickets.by_ticket),
+            num_handoff_pages=0 if self.tickets.holder is None else self.tickets.holder.num_pages_held,
             owners=tuple(
                 OwnerUsage(
                     o.index,
@@ -319,6 +357,7 @@ class KVCore:
                     o.num_evictions,
                 )
                 for o in slots.owners.values()
+                if o is not self.tickets.holder
             ),
             num_cache_entries=cache.num_entries,
             num_evictions=cache.num_evictions,
@@ -333,7 +372,9 @@ class KVCore:
 
     def audit(self) -> AuditReport:
         """Check every invariant (O(pool): see :func:`kvmem.server.core.audit.audit`)."""
-        return audit(self.config, self.pool, self.table, self.slots, self._quarantine, self.cache)
+        report = audit(self.config, self.pool, self.table, self.slots, self._quarantine, self.cache)
+        problems = self.tickets.problems()
+        return dataclasses.replace(report, ok=False, problems=report.problems + tuple(problems)) if problems else report
 
     def _finish(self) -> None:
         """End of a mutating call: the cache's new pages into the state image; hand its

@@ -7,7 +7,6 @@ modules work out what to change and call its methods, which change it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,6 +15,7 @@ from kvmem.server.core import crash
 from kvmem.server.core.batch import NO_INT32, raise_first, too_many
 from kvmem.server.core.config import OwnerId
 from kvmem.server.core.image import CoreImage
+from kvmem.server.core.owner import Owner
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.slot_errors import MAX_REQUEST_ID_BYTES, raise_first_bad_slot
 from kvmem.server.core.slot_errors import check_id_length as _check_id_length
@@ -26,28 +26,6 @@ from kvmem.server.errors import KVMemError, Reason
 
 _ID_CHARS_ALWAYS_OK = MAX_REQUEST_ID_BYTES // 4  # no longer than this: within the limit, whatever the characters
 _INT32 = np.dtype(np.int32)  # a dtype instance: a view to it skips resolving the type
-
-
-@dataclasses.dataclass(slots=True)
-class Owner:
-    """Accounting of one owner (a session, known here by its small integer); only
-    :class:`RequestTable` changes it.
-
-    ``num_pages_held`` is the sum over its open requests of their page counts;
-    ``num_requests`` their number. ``request_slots`` maps the request ids of its open
-    requests to their slots, and only those: a release drops its ids (released ids
-    keep no memory)."""
-
-    index: OwnerId
-    slot_expect: bytes  # the slot words of its slots listed at positions 0, 1, 2, ...
-    num_pages_held: int = 0
-    num_requests: int = 0
-    request_slots: dict[str, int] = dataclasses.field(default_factory=dict)
-    namespace: str = ""  # its prefix-cache namespace
-    record: int = -1  # its record in the state image (-1: no image)
-    prefix_query_tokens: int = 0  # tokens its match items asked for
-    prefix_hit_tokens: int = 0  # tokens they matched
-    num_evictions: int = 0  # cached pages its allocs evicted
 
 
 class RequestTable:
@@ -305,6 +283,28 @@ class RequestTable:
             self.pool.share(np.array(attached, dtype=np.int32))
             state.num_pages_held += len(attached)
             state.prefix_hit_tokens += len(attached) * ps
+
+    def move(self, src: Owner, dst: Owner, slots: np.ndarray, ids: list[str], *, rename: bool) -> int:
+        """Hand-offs and adoptions (:mod:`.handoff`): slots ``slots`` (open, ``src``'s,
+        distinct) become ``dst``'s under request ids ``ids``, with their rows, lengths
+        and pages as they are (no reference changes: nothing is copied). ``rename``
+        writes the ids into the state image too (an adoption; a hand-off's ticket stays
+        out of it, see :mod:`.handoff`). Returns the pages the rows hold. O(n)."""
+        n = int(slots.size)
+        if not n:
+            return 0
+        pages = int(self.table.num_pages_for(self.alloced[slots]).sum())
+        if rename and self._image is not None:
+            self._image.write_request_ids(slots, ids)
+        collections.deque(map(src.request_slots.pop, self.request_id[slots].tolist()), maxlen=0)
+        src.num_requests -= n
+        src.num_pages_held -= pages
+        self.owner_of[slots] = dst.index
+        self.request_id[slots] = np.array(ids, dtype=object)
+        dst.request_slots.update(zip(ids, slots.tolist(), strict=True))
+        dst.num_requests += n
+        dst.num_pages_held += pages
+        return pages
 
     def switch(self, where: np.ndarray, pages: np.ndarray) -> None:
         """Point the flat block-table positions ``where`` at ``pages`` (cached pages

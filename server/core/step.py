@@ -19,10 +19,13 @@ from kvmem.server.core.slots import Owner, RequestTable
 from kvmem.server.errors import KVMemError, Reason
 
 
-def validate(requests: RequestTable, state: Owner, batch: StepBatch) -> np.ndarray | None:
+def validate(
+    requests: RequestTable, state: Owner, batch: StepBatch, adopted: np.ndarray | None = None
+) -> np.ndarray | None:
     """Check every item of ``batch`` (lengths already checked); change nothing.
     Returns each alloc item's length before its alloc (after this step's truncates),
-    or None when there are no allocs. O(n)."""
+    or None when there are no allocs. ``adopted``: the slots this step's adopt items
+    take over (:mod:`.handoff`), which its alloc items may name too. O(n)."""
     rel, tr, al, ms = batch.release_slots, batch.truncate_slots, batch.alloc_slots, batch.match_slots
     if rel.size:
         requests.check(state, rel, "release_slots")
@@ -33,7 +36,10 @@ def validate(requests: RequestTable, state: Owner, batch: StepBatch) -> np.ndarr
         requests.check(state, ms, "match_slots", rel)
     if not al.size:
         return None
-    requests.check(state, al, "alloc_slots", rel)
+    if adopted is not None and adopted.size:
+        _check_allocs_adopting(requests, state, al, adopted, rel)
+    else:
+        requests.check(state, al, "alloc_slots", rel)
     need = batch.alloc_needs
     raise_first(
         need.view(np.uint64) > INT32_MAX,  # negatives wrap to huge
@@ -51,6 +57,32 @@ def validate(requests: RequestTable, state: Owner, batch: StepBatch) -> np.ndarr
             check_matched_allocs(requests, batch)
         _check_expected(al, expected, cur)
     return cur
+
+
+def _check_allocs_adopting(
+    requests: RequestTable, state: Owner, al: np.ndarray, adopted: np.ndarray, rel: np.ndarray
+) -> None:
+    """The alloc slots of a step that adopts: each ``state``'s and not released in the
+    step, or adopted in it; each listed once. O(n log n): a sort (adopting steps only)."""
+    other = ~np.isin(al, adopted)
+
+    def not_found(why: str) -> Callable[[int], KVMemError]:
+        def error(i: int) -> KVMemError:
+            slot = int(al[i])
+            return KVMemError(Reason.SLOT_NOT_FOUND, f"alloc_slots[{i}]: request slot {slot} {why}", index=i, slot=slot)
+
+        return error
+
+    raise_first(other & (requests.owner_of.take(al, mode="clip") != state.index), not_found("is not open in this session"))
+    if rel.size:
+        raise_first(other & np.isin(al, rel), not_found("is released earlier in this step"))
+    order = np.argsort(al, kind="stable")
+    twice = np.flatnonzero(al[order][1:] == al[order][:-1])
+    if twice.size:
+        i = int(order[twice + 1].min())
+        raise KVMemError(
+            Reason.DUPLICATE_SLOT, f"alloc_slots[{i}]: request slot {int(al[i])} appears twice", index=i, slot=int(al[i])
+        )
 
 
 def check_matched_allocs(requests: RequestTable, batch: StepBatch) -> None:

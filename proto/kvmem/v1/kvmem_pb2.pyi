@@ -39,6 +39,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_TOO_MANY_SESSIONS: _ClassVar[ErrorReason]
     ERROR_REASON_NOT_READY: _ClassVar[ErrorReason]
     ERROR_REASON_PAGE_SHARED: _ClassVar[ErrorReason]
+    ERROR_REASON_TICKET_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_NAMESPACE_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_QUOTA_EXCEEDED: _ClassVar[ErrorReason]
 KV_FORMAT_UNSPECIFIED: KVFormat
 KV_FORMAT_MHA: KVFormat
 KV_FORMAT_MLA: KVFormat
@@ -62,6 +65,9 @@ ERROR_REASON_CORRUPTION: ErrorReason
 ERROR_REASON_TOO_MANY_SESSIONS: ErrorReason
 ERROR_REASON_NOT_READY: ErrorReason
 ERROR_REASON_PAGE_SHARED: ErrorReason
+ERROR_REASON_TICKET_NOT_FOUND: ErrorReason
+ERROR_REASON_NAMESPACE_MISMATCH: ErrorReason
+ERROR_REASON_QUOTA_EXCEEDED: ErrorReason
 
 class KVLayout(_message.Message):
     __slots__ = ("format", "num_layers", "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "dtype", "bytes_per_token")
@@ -240,7 +246,7 @@ class OpenResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens", "atomic", "release_token_ids", "release_token_offsets", "cache_slots", "cache_token_ids", "cache_token_offsets", "match_slots", "match_token_ids", "match_token_offsets", "match_max_tokens", "release_slots_i32", "truncate_slots_i32", "truncate_lens_i32", "alloc_slots_i32", "alloc_needs_i32", "alloc_expected_lens_i32", "seq")
+    __slots__ = ("session_id", "release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens", "atomic", "release_token_ids", "release_token_offsets", "cache_slots", "cache_token_ids", "cache_token_offsets", "match_slots", "match_token_ids", "match_token_offsets", "match_max_tokens", "release_slots_i32", "truncate_slots_i32", "truncate_lens_i32", "alloc_slots_i32", "alloc_needs_i32", "alloc_expected_lens_i32", "seq", "handoff_slots", "handoff_states", "adopt_tickets", "adopt_request_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +271,10 @@ class StepRequest(_message.Message):
     ALLOC_NEEDS_I32_FIELD_NUMBER: _ClassVar[int]
     ALLOC_EXPECTED_LENS_I32_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_STATES_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_TICKETS_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     release_slots: _containers.RepeatedScalarFieldContainer[int]
     truncate_slots: _containers.RepeatedScalarFieldContainer[int]
@@ -289,10 +299,14 @@ class StepRequest(_message.Message):
     alloc_needs_i32: bytes
     alloc_expected_lens_i32: bytes
     seq: int
-    def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ..., release_token_ids: _Optional[bytes] = ..., release_token_offsets: _Optional[bytes] = ..., cache_slots: _Optional[_Iterable[int]] = ..., cache_token_ids: _Optional[bytes] = ..., cache_token_offsets: _Optional[bytes] = ..., match_slots: _Optional[_Iterable[int]] = ..., match_token_ids: _Optional[bytes] = ..., match_token_offsets: _Optional[bytes] = ..., match_max_tokens: _Optional[_Iterable[int]] = ..., release_slots_i32: _Optional[bytes] = ..., truncate_slots_i32: _Optional[bytes] = ..., truncate_lens_i32: _Optional[bytes] = ..., alloc_slots_i32: _Optional[bytes] = ..., alloc_needs_i32: _Optional[bytes] = ..., alloc_expected_lens_i32: _Optional[bytes] = ..., seq: _Optional[int] = ...) -> None: ...
+    handoff_slots: _containers.RepeatedScalarFieldContainer[int]
+    handoff_states: _containers.RepeatedScalarFieldContainer[bytes]
+    adopt_tickets: _containers.RepeatedScalarFieldContainer[str]
+    adopt_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ..., release_token_ids: _Optional[bytes] = ..., release_token_offsets: _Optional[bytes] = ..., cache_slots: _Optional[_Iterable[int]] = ..., cache_token_ids: _Optional[bytes] = ..., cache_token_offsets: _Optional[bytes] = ..., match_slots: _Optional[_Iterable[int]] = ..., match_token_ids: _Optional[bytes] = ..., match_token_offsets: _Optional[bytes] = ..., match_max_tokens: _Optional[_Iterable[int]] = ..., release_slots_i32: _Optional[bytes] = ..., truncate_slots_i32: _Optional[bytes] = ..., truncate_lens_i32: _Optional[bytes] = ..., alloc_slots_i32: _Optional[bytes] = ..., alloc_needs_i32: _Optional[bytes] = ..., alloc_expected_lens_i32: _Optional[bytes] = ..., seq: _Optional[int] = ..., handoff_slots: _Optional[_Iterable[int]] = ..., handoff_states: _Optional[_Iterable[bytes]] = ..., adopt_tickets: _Optional[_Iterable[str]] = ..., adopt_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted", "error", "seq")
+    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted", "error", "seq", "handoff_tickets", "adopt_slots", "adopt_lens", "adopt_states")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALLOC_STATUS_FIELD_NUMBER: _ClassVar[int]
     KV_LOC_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +321,10 @@ class StepResponse(_message.Message):
     NUM_PAGES_EVICTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TICKETS_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_LENS_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_STATES_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     alloc_status: bytes
     kv_loc: bytes
@@ -321,7 +339,11 @@ class StepResponse(_message.Message):
     num_pages_evicted: int
     error: _status_pb2.Status
     seq: int
-    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
+    handoff_tickets: _containers.RepeatedScalarFieldContainer[str]
+    adopt_slots: bytes
+    adopt_lens: bytes
+    adopt_states: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., seq: _Optional[int] = ..., handoff_tickets: _Optional[_Iterable[str]] = ..., adopt_slots: _Optional[bytes] = ..., adopt_lens: _Optional[bytes] = ..., adopt_states: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("audit",)
@@ -364,7 +386,7 @@ class AuditResult(_message.Message):
     def __init__(self, ran: _Optional[bool] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions", "prefix_cache_enabled", "prefix_hash", "num_cache_entries", "version", "origin")
+    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions", "prefix_cache_enabled", "prefix_hash", "num_cache_entries", "version", "origin", "num_handoff_tickets", "num_handoff_pages", "num_handed_off", "num_adopted", "num_handoffs_expired", "num_handoffs_given_up")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +410,12 @@ class StatsResponse(_message.Message):
     NUM_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFF_TICKETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFF_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFFS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFFS_GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     geometry: PoolGeometry
     num_pages_total: int
@@ -411,7 +439,13 @@ class StatsResponse(_message.Message):
     num_cache_entries: int
     version: str
     origin: StateOrigin
-    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ..., origin: _Optional[_Union[StateOrigin, _Mapping]] = ...) -> None: ...
+    num_handoff_tickets: int
+    num_handoff_pages: int
+    num_handed_off: int
+    num_adopted: int
+    num_handoffs_expired: int
+    num_handoffs_given_up: int
+    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ..., origin: _Optional[_Union[StateOrigin, _Mapping]] = ..., num_handoff_tickets: _Optional[int] = ..., num_handoff_pages: _Optional[int] = ..., num_handed_off: _Optional[int] = ..., num_adopted: _Optional[int] = ..., num_handoffs_expired: _Optional[int] = ..., num_handoffs_given_up: _Optional[int] = ...) -> None: ...
 
 class StateOrigin(_message.Message):
     __slots__ = ("kind", "owners", "requests", "pages_in_rows", "cached_pages", "quarantined_pages", "repaired", "adopt_ms", "sessions", "resumed", "not_resumed", "waiting", "undone")

@@ -109,7 +109,8 @@ class KVMemoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """One scheduler step: releases, then truncates, then caches, then matches, then allocs.
+        """One scheduler step: releases, then truncates, then hand-offs, then caches, then
+        matches, then adoptions, then allocs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
