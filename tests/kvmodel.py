@@ -27,6 +27,12 @@ and the quota. Allocs are admitted greedily in item order (context, quota, pool:
 and evictable pages), ``atomic`` aborts all unless all fit; they take every free page
 before they evict, and evict the shortfall from the queue's head.
 
+Hand-offs (``kvmem.server.core.handoff``): a request handed off stays in its slot with
+its row and length, owned by :data:`HOLDER` under its ticket (the core's answer names
+the ticket; the model keeps ticket -> giver and namespace); an adoption gives it to the
+adopter under a new id. A removed owner's tickets are released before its requests (in
+the order they were issued), as a ticket whose window passed is.
+
 It predicts everything but the ids of the free pages an alloc takes, which it reads
 from the core's answer (:class:`Answer`) and checks: distinct free pages, then exactly
 the evicted ones in order. :meth:`KVModel.step_faults` says which refusals a step may
@@ -48,6 +54,7 @@ Key = tuple[str, tuple[int, ...]]  # a cached page's key: (namespace, its tokens
 INT32_MAX = 2**31 - 1
 MAX_REQUEST_ID_BYTES = 256  # the longest request id, in bytes of UTF-8 (a documented limit)
 OK, OUT_OF_PAGES, CONTEXT_TOO_LONG, QUOTA_EXCEEDED, ABORTED = 0, 1, 2, 3, 4  # AllocStatus
+HOLDER = "(hand-off tickets)"  # the owner of a request handed off and not yet adopted
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -200,6 +207,7 @@ class KVModel:
         self.cached_by: dict[int, Hashable] = {}  # cached page -> the owner whose step cached it
         self.lru: list[int] = []  # evictable cached pages, oldest first
         self.quarantined: dict[Hashable, set[int]] = {}
+        self.tickets: dict[str, tuple[Hashable, str]] = {}  # open ticket -> (giver, namespace), in issue order
         self.query_tokens = self.hit_tokens = self.evictions = 0
 
     def restart_counters(self) -> None:
@@ -242,6 +250,8 @@ class KVModel:
             "num_evictions": self.evictions,
             "prefix_query_tokens": self.query_tokens,
             "prefix_hit_tokens": self.hit_tokens,
+            "num_handoff_tickets": len(self.tickets),
+            "num_handoff_pages": self.held(HOLDER),
         }
 
     def usage(self, owner: Hashable) -> tuple[int, int, str, int, int, int]:
@@ -266,7 +276,7 @@ class KVModel:
         for slot, r in self.requests.items():
             assert len(r.pages) == ceil_div(r.length, ps) and r.length <= self.max_context_len, (slot, r)
             keyed = [self.key.get(p) for p in r.pages]
-            ns = self.owners[r.owner].namespace
+            ns = self.tickets[r.rid][1] if r.owner == HOLDER else self.owners[r.owner].namespace
             for c, k in enumerate(keyed):  # cached pages: a prefix of the row, one chain in its namespace
                 if k is not None:
                     assert all(keyed[:c]) and k[0] == ns and len(k[1]) == (c + 1) * ps, (slot, r, keyed)
@@ -292,13 +302,75 @@ class KVModel:
         """Release its requests in ascending slot order (without tokens); with
         ``quarantine`` the pages this leaves unheld and uncached are held for it.
         Returns the number of requests."""
-        slots = sorted(self.requests_of(owner))
         hold: set[int] | None = set() if quarantine else None
+        self.release_tickets([t for t, (giver, _) in self.tickets.items() if giver == owner], hold)
+        slots = sorted(self.requests_of(owner))
         self._unref([p for s in slots for p in self._close(s).pages], hold)
         if hold:
             self.quarantined[owner] = hold
         del self.owners[owner]
         return len(slots)
+
+    # -------------------------------------------------------------- hand-offs
+
+    def ticket_slots(self) -> dict[str, int]:
+        """Each open ticket's slot."""
+        return {r.rid: slot for slot, r in self.requests.items() if r.owner == HOLDER}
+
+    def hand_off(self, owner: Hashable, slots: Sequence[int], tickets: Sequence[str]) -> None:
+        """A valid hand-off (the tickets are the core's answer): each slot to the holder."""
+        assert len(tickets) == len(slots) == len(set(tickets)) and not set(tickets) & self.tickets.keys()
+        for slot, ticket in zip(slots, tickets, strict=True):
+            r = self.requests[slot]
+            assert r.owner == owner and ticket.split(".")[0] == str(slot), (slot, ticket)
+            r.owner, r.rid = HOLDER, ticket
+            self.tickets[ticket] = (owner, self.owners[owner].namespace)
+
+    def adopt_faults(self, owner: Hashable, tickets: Sequence[str], rids: Sequence[str], quota: int | None) -> set[str]:
+        """The reasons adopt items (with no other item) may be refused for."""
+        faults = set()
+        slots = self.ticket_slots()
+        have = {r.rid for r in self.requests_of(owner).values()}
+        if len(tickets) != len(rids):
+            faults.add("LENGTH_MISMATCH")
+        if len(tickets) > self.max_requests or len(rids) > self.max_requests:
+            faults.add("BAD_VALUE")
+        if len(set(tickets)) != len(tickets) or len(set(rids)) != len(rids) or set(rids) & have:
+            faults.add("BAD_VALUE")
+        if any(not rid or utf8_len(rid) > MAX_REQUEST_ID_BYTES for rid in rids):
+            faults.add("BAD_VALUE")
+        if any(t not in slots for t in tickets):
+            faults.add("TICKET_NOT_FOUND")
+        elif any(self.tickets[t][1] != self.owners[owner].namespace for t in tickets):
+            faults.add("NAMESPACE_MISMATCH")
+        elif quota is not None:
+            gain = sum(len(self.requests[slots[t]].pages) for t in set(tickets))
+            if self.held(owner) + gain > quota:
+                faults.add("QUOTA_EXCEEDED")
+        return faults
+
+    def adopt(self, owner: Hashable, tickets: Sequence[str], rids: Sequence[str]) -> list[tuple[int, int]]:
+        """Valid adopt items: each ticket's request to ``owner`` under its id. Returns
+        each one's (slot, length)."""
+        slots = self.ticket_slots()
+        out = []
+        for ticket, rid in zip(tickets, rids, strict=True):
+            r = self.requests[slots[ticket]]
+            r.owner, r.rid = owner, rid
+            del self.tickets[ticket]
+            out.append((slots[ticket], r.length))
+        return out
+
+    def release_tickets(self, tickets: Sequence[str], hold: set[int] | None = None) -> int:
+        """Release the open ones of ``tickets`` as one release of their slots, in order."""
+        slots = self.ticket_slots()
+        known = [t for t in tickets if t in self.tickets]
+        pages = []
+        for t in known:
+            pages += self._close(slots[t]).pages
+            del self.tickets[t]
+        self._unref(pages, hold)
+        return len(known)
 
     def release_quarantine(self, owner: Hashable) -> int:
         pages = self.quarantined.pop(owner, set())

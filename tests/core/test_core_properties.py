@@ -37,7 +37,7 @@ from core_state import snapshot
 from hypothesis import HealthCheck, event, given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from kvmodel import Answer, KVModel, Request, Step
+from kvmodel import HOLDER, Answer, KVModel, Request, Step
 
 from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PagePool, StepBatch, StepResult
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
@@ -321,7 +321,7 @@ class CoreMachine(RuleBasedStateMachine):
         owner_id, quota = self.ids[owner], self.quota[owner]
         if kind == "unknown_owner":
             # never handed out (0, the next index, far beyond) or removed
-            ghosts = [0, -1, max(self.ids.values()) + 1, 2**40, *self.gone]
+            ghosts = [0, -1, max([*self.ids.values(), core.tickets.holder_index]) + 1, 2**40, *self.gone]
             owner_id, reason = data.draw(st.sampled_from(ghosts), label="ghost"), Reason.UNKNOWN_SESSION
         elif kind == "bad_slot":
             slot = data.draw(st.sampled_from(bad_slots), label="bad_slot")
@@ -458,6 +458,67 @@ class CoreMachine(RuleBasedStateMachine):
             index = data.draw(st.sampled_from([0, -1, 10**6, *self.ids.values(), *self.gone]), label="index")
         assert self.core.release_quarantine(index) == self.model.release_quarantine(index)
 
+    # -------------------------------------------------------------- hand-offs
+
+    @rule(data=st.data())
+    def hand_off(self, data) -> None:
+        """Some of an owner's requests handed off (some truncated first, the others decoding)."""
+        owner = self.draw_owner(data)
+        mine = self.slots_of(owner)
+        if not mine:
+            return
+        give = data.draw(st.lists(st.sampled_from(mine), min_size=1, max_size=len(mine), unique=True), label="give")
+        cut = [s for s in give if data.draw(BOOL, label="truncate_first")]
+        lens = [data.draw(st.integers(0, self.reqs[s].length), label="truncate_len") for s in cut]
+        kw = dict(truncate_slots=cut, truncate_lens=lens)
+        res = step(self.core, self.ids[owner], self.quota[owner], handoff=give, **kw)
+        self.model.step(self.ids[owner], Step.of(**kw), self.quota[owner], Answer.of(res))
+        self.model.hand_off(self.ids[owner], give, res.tickets)
+        event(f"handed off {len(give)}")
+
+    @rule(data=st.data())
+    def adopt(self, data) -> None:
+        """Open tickets adopted by any owner, maybe with a decode of them in the same
+        Step; or a wrong adoption (a forged or used ticket, an id it has open, a repeat,
+        past the quota), which must be refused as the model says and change nothing."""
+        owner = data.draw(self.owner_st, label="owner")
+        oid, quota = self.ids[owner], self.quota[owner]
+        open_tickets = sorted(self.model.ticket_slots())
+        pool = [*open_tickets, f"1.{'0' * 32}", "junk"]
+        tickets = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3), label="tickets")
+        have = [r.rid for r in self.model.requests_of(oid).values()]
+        self.next_rid += 1
+        fresh = [f"ad{self.next_rid}.{i}" for i in range(len(tickets))]
+        rids = [data.draw(st.sampled_from([r, *have]), label="rid") if have else r for r in fresh]
+        faults = self.model.adopt_faults(oid, tickets, rids, quota)
+        if faults:
+            before = snapshot(self.core)
+            try:
+                step(self.core, oid, quota, adopt=list(zip(tickets, rids, strict=True)))
+            except KVMemError as err:
+                assert err.reason.name in faults, (str(err), faults)
+                event(f"adopt refused {err.reason.name}")
+            else:
+                raise AssertionError(f"a wrong adoption was accepted: {tickets} {rids} {faults}")
+            assert_same_snapshot(before, snapshot(self.core))
+            return
+        slots = [self.model.ticket_slots()[t] for t in tickets]
+        decode = data.draw(BOOL, label="decode_too")
+        res = step(self.core, oid, quota, adopt=list(zip(tickets, rids, strict=True)),
+                   alloc_slots=slots if decode else [], alloc_needs=[1] * len(slots) if decode else [])  # fmt: skip
+        got = self.model.adopt(oid, tickets, rids)
+        assert res.adopt_slots.tolist() == [s for s, _ in got] and res.adopt_lens.tolist() == [n for _, n in got]
+        if decode:
+            self.model.step(oid, Step.of(alloc_slots=slots, alloc_needs=[1] * len(slots)), quota, Answer.of(res))
+        event("adopted")
+
+    @rule(data=st.data())
+    def tickets_expire(self, data) -> None:
+        """Some open tickets' window passes (and some strings that are no open ticket)."""
+        pool = [*sorted(self.model.ticket_slots()), "nope"]
+        some = data.draw(st.lists(st.sampled_from(pool), max_size=3, unique=True), label="expire")
+        assert self.core.release_tickets(some) == self.model.release_tickets(some)
+
     @rule(data=st.data())
     def look_up_alloced_len(self, data) -> None:
         owner = data.draw(self.owner_st, label="owner")
@@ -487,7 +548,8 @@ class CoreMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(bt, model.table(bt.shape), err_msg="the block table")
         all_tokens: list[int] = []
         for slot, req in self.reqs.items():
-            assert core.alloced_len(req.owner, slot) == req.length == snap["alloced"][slot]
+            owner = core.tickets.holder_index if req.owner == HOLDER else req.owner
+            assert core.alloced_len(owner, slot) == req.length == snap["alloced"][slot]
             all_tokens += [int(bt[slot, pos // ps]) * ps + pos % ps for pos in range(req.length)]
         assert len(set(all_tokens)) == len(all_tokens), "a token slot is held twice"
         assert set(model.ref.values()) <= {1}, "no page is shared here (nothing is cached)"
