@@ -36,6 +36,7 @@ class ServerStats:
     num_dormant: int = 0  # adopted sessions not resumed yet
     num_resumed: int = 0  # adopted sessions their clients resumed
     num_not_resumed: int = 0  # adopted sessions ended because no client resumed them in time
+    handoffs: tuple[int, int, int, int] = (0, 0, 0, 0)  # since start: handed off, adopted, expired, given up
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

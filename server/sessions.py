@@ -33,6 +33,7 @@ MAX_NAME_CHARS = 256
 MAX_NAMESPACE_CHARS = 256  # a prefix-cache namespace (AttachRequest.cache_namespace)
 DEFAULT_MAX_SESSIONS = 1024  # sessions attached at once (`kvmem serve --max-sessions`)
 QUARANTINE_LEASES = 6  # the default quarantine, in leases
+DEFAULT_HANDOFF_S = 30.0  # how long a hand-off ticket waits for its adopter (kvmem serve --handoff-ms)
 
 
 class BlockTableSink(Protocol):
@@ -110,6 +111,7 @@ class Sessions:
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         steplog: StepLog | None = None,
         resume_s: float = 0.0,
+        handoff_s: float = DEFAULT_HANDOFF_S,
     ) -> None:
         """Sessions over ``core``, built where the server is put together (its block
         table ``memory``'s, when there is one: the rows each step changes are synced to
@@ -120,6 +122,8 @@ class Sessions:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         if quarantine_s is not None and quarantine_s < 0:
             raise ValueError(f"quarantine must be >= 0 seconds, got {quarantine_s}")
+        if handoff_s <= 0:
+            raise ValueError(f"the hand-off window must be > 0 seconds, got {handoff_s}")
         if memory is not None and core.block_table is not memory.block_table:
             raise ValueError("the core must write the memory's block table: KVCore(config, memory.block_table, ...)")
         self.core = core
@@ -148,6 +152,10 @@ class Sessions:
         self.dormant: dict[str, Dormant] = {}
         self.num_resumed = 0
         self.num_not_resumed = 0
+        # Hand-off tickets: each is released if not adopted within handoff_s (by ticket; an
+        # adopted one, or one its giver's end released, is dropped at the next expire).
+        self.handoff_s = handoff_s
+        self.ticket_until: dict[str, float] = {}
 
     # ---------------------------------------------------------------- sessions
 
@@ -319,6 +327,15 @@ class Sessions:
             stale.append(session_id)
         for session_id in [k for k, q in self.quarantined.items() if q.until <= now]:
             self._unquarantine(session_id, "the quarantine period passed")
+        if self.ticket_until:
+            core = self.core
+            done = [t for t, until in self.ticket_until.items() if until <= now or not core.has_ticket(t)]
+            late = [t for t in done if core.has_ticket(t)]
+            for ticket in done:
+                del self.ticket_until[ticket]
+            if late:
+                log.info("hand-off tickets released count=%d: not adopted within %.1fs", len(late), self.handoff_s)
+                core.release_tickets(late)
         return stale
 
     def in_quarantine(self, session_id: str) -> bool:
@@ -383,6 +400,9 @@ class Sessions:
         refused = result.num_refused
         self.alloc_items[AllocStatus.OK] += result.alloc_status.size - refused
         self.num_pages_cached += result.num_pages_cached
+        if result.tickets:
+            until = time.monotonic() + self.handoff_s
+            self.ticket_until.update(dict.fromkeys(result.tickets, until))
         if refused:  # the core counted them: no array operation for metrics on a step that fits
             for value, n in enumerate(np.bincount(result.alloc_status, minlength=len(AllocStatus)).tolist()[1:], 1):
                 self.alloc_items[value] += n
@@ -401,7 +421,7 @@ class Sessions:
             self._sync_memory.sync_rows(np.concatenate(changed) if len(changed) > 1 else changed[0])
 
     def stats(self, audit: bool) -> ServerStats:
-        core = self.core
+        core, t = self.core, self.core.tickets
         pool = core.stats()
         usage = {o.owner: o for o in pool.owners}
         rows = []
@@ -417,6 +437,7 @@ class Sessions:
         return ServerStats(
             pool, tuple(rows), audit_report, self.num_steps, uptime, core.prefix_enabled, core.page_keys.name,
             self.origin, len(self.dormant), self.num_resumed, self.num_not_resumed,
+            (t.num_handed_off, t.num_adopted, t.num_expired, t.num_given_up),
         )  # fmt: skip
 
 

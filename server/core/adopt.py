@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from kvmem.server.core.config import CoreConfig
-from kvmem.server.core.handoff import HOLDER_NAME
 from kvmem.server.core.events import CacheEvent
+from kvmem.server.core.handoff import HOLDER_NAME
 from kvmem.server.core.hashing import PageKeys, XXH3Keys
 from kvmem.server.core.image import CoreImage, ImageLayout, ImageMismatch
 from kvmem.server.core.kvcore import KVCore
@@ -228,7 +228,7 @@ class _Facts:
                 closing[s] = True
             seen.add(key)
         if self.tickets_closed:
-            self.repaired.append(f"{self.tickets_closed} hand-off ticket(s) not adopted released (tickets are not kept)")
+            self.repaired.append(f"{self.tickets_closed} hand-off ticket(s) not adopted released (not kept)")
         if np.count_nonzero(closing):
             self.repaired.append(f"{int(np.count_nonzero(closing))} request slot(s) of unknown owners or ids closed")
         slot_owner[closing] = 0

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -74,6 +74,19 @@ def _shown(ticket: object) -> str:
     """A ticket as an error names it: its slot and the first secret digits, never all of it."""
     text = str(ticket)
     return repr(text[: text.find(".") + 5] + "…") if "." in text and len(text) > 12 else repr(text[:16])
+
+
+def _named_too(hs: np.ndarray, name: str) -> Callable[[int], KVMemError]:
+    def error(i: int) -> KVMemError:
+        return KVMemError(
+            Reason.BAD_VALUE,
+            f"handoff_slots[{i}]: request slot {int(hs[i])} is also named by {name}; a request handed off leaves "
+            "the session before the Step's cache, match and alloc items",
+            index=i,
+            slot=int(hs[i]),
+        )
+
+    return error
 
 
 class Tickets:
@@ -122,16 +135,7 @@ class Tickets:
             if other.size:
                 scratch[hs] = 0
                 scratch[other] = 1
-                raise_first(
-                    scratch[hs] == 1,
-                    lambda i, name=name: KVMemError(
-                        Reason.BAD_VALUE,
-                        f"handoff_slots[{i}]: request slot {int(hs[i])} is also named by {name}; a request handed "
-                        "off leaves the session before the Step's cache, match and alloc items",
-                        index=i,
-                        slot=int(hs[i]),
-                    ),
-                )
+                raise_first(scratch[hs] == 1, _named_too(hs, name))
         states = batch.handoff_states
         if states and len(states) != hs.size:
             raise KVMemError(
@@ -282,4 +286,5 @@ class Tickets:
         by_slot = {k: t.slot for k, t in self.by_ticket.items()}
         if held == by_slot:
             return []
-        return [f"hand-off tickets {sorted(by_slot.items())[:4]} differ from the holder's requests {sorted(held.items())[:4]}"]
+        mine, theirs = sorted(by_slot.items())[:4], sorted(held.items())[:4]
+        return [f"hand-off tickets {mine} differ from the holder's requests {theirs}"]

@@ -73,7 +73,9 @@ def _check_allocs_adopting(
 
         return error
 
-    raise_first(other & (requests.owner_of.take(al, mode="clip") != state.index), not_found("is not open in this session"))
+    raise_first(
+        other & (requests.owner_of.take(al, mode="clip") != state.index), not_found("is not open in this session")
+    )
     if rel.size:
         raise_first(other & np.isin(al, rel), not_found("is released earlier in this step"))
     order = np.argsort(al, kind="stable")
@@ -81,7 +83,10 @@ def _check_allocs_adopting(
     if twice.size:
         i = int(order[twice + 1].min())
         raise KVMemError(
-            Reason.DUPLICATE_SLOT, f"alloc_slots[{i}]: request slot {int(al[i])} appears twice", index=i, slot=int(al[i])
+            Reason.DUPLICATE_SLOT,
+            f"alloc_slots[{i}]: request slot {int(al[i])} appears twice",
+            index=i,
+            slot=int(al[i]),
         )
 
 

@@ -229,6 +229,11 @@ def step_batch(request: kvmem_pb2.StepRequest, prefix: bool | None = None) -> St
     )
     if carries_prefix(request) if prefix is None else prefix:
         _prefix_columns(request, batch)
+    if request.handoff_slots or request.handoff_states or request.adopt_tickets or request.adopt_request_ids:
+        batch.handoff_slots = array(request.handoff_slots)
+        batch.handoff_states = tuple(request.handoff_states)
+        batch.adopt_tickets = tuple(request.adopt_tickets)
+        batch.adopt_request_ids = tuple(request.adopt_request_ids)
     return batch
 
 
@@ -269,6 +274,12 @@ def step_response(
         num_pages_evicted=result.num_pages_evicted,
         seq=seq,
     )
+    if result.tickets:
+        resp.handoff_tickets.extend(result.tickets)
+    if result.adopt_slots.size:
+        resp.adopt_slots = le_bytes(result.adopt_slots)
+        resp.adopt_lens = le_bytes(result.adopt_lens)
+        resp.adopt_states.extend(result.adopt_states)
     if prefix:
         resp.match_lens = le_bytes(result.match_lens.astype(np.int32, copy=False))
         resp.cache_switched = le_bytes(result.cache_switched.astype(np.int32, copy=False))
@@ -329,6 +340,12 @@ def stats_response(
         prefix_hash=stats.prefix_hash,
         num_cache_entries=pool.num_cache_entries,
         origin=_origin(stats),
+        num_handoff_tickets=pool.num_handoff_tickets,
+        num_handoff_pages=pool.num_handoff_pages,
+        num_handed_off=stats.handoffs[0],
+        num_adopted=stats.handoffs[1],
+        num_handoffs_expired=stats.handoffs[2],
+        num_handoffs_given_up=stats.handoffs[3],
     )
 
 

@@ -166,6 +166,22 @@ class KVMemCollector(Collector):
         slots.add_metric(["free"], pool.num_free_request_slots)
         yield slots
         yield GaugeMetricFamily("kvmem_sessions", "Attached sessions (scheduler workers).", len(stats.sessions))
+        yield GaugeMetricFamily(
+            "kvmem_handoff_tickets", "Hand-off tickets open (requests handed off, not adopted yet; their slots "
+            'are open in kvmem_request_slots).', pool.num_handoff_tickets,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvmem_handoff_pages", 'Page references the open hand-off tickets\' requests hold (counted in '
+            'kvmem_pages{state="used"}).', pool.num_handoff_pages,
+        )  # fmt: skip
+        handoffs = CounterMetricFamily(
+            "kvmem_handoffs", "Requests handed off, by outcome so far: adopted, expired (not adopted within "
+            "--handoff-ms), given_up (released with the giver's session), or handed_off (all of them).",
+            labels=["outcome"],
+        )  # fmt: skip
+        for outcome, n in zip(("handed_off", "adopted", "expired", "given_up"), stats.handoffs, strict=True):
+            handoffs.add_metric([outcome], n)
+        yield handoffs
         prefix = GaugeMetricFamily(
             "kvmem_prefix_cache_enabled", "1 when the prefix cache is on; its page-key recipe.", labels=["hash"]
         )

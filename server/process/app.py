@@ -215,7 +215,7 @@ class KVMemServer:
         steplog = None if log_buffer is None or self._layout is None else StepLog(log_buffer, self._layout.max_owners)
         self.sessions = Sessions(
             core, cfg.lease_s, self.memory, quarantine_s=cfg.quarantine_s, max_sessions=cfg.max_sessions,
-            steplog=steplog, resume_s=cfg.resume_window_s,
+            steplog=steplog, resume_s=cfg.resume_window_s, handoff_s=cfg.handoff_s,
         )  # fmt: skip
         if self.adoption is not None:  # the last run's sessions wait for their clients to resume them
             assert steplog is not None

@@ -113,6 +113,9 @@ def add_parser(sub: Any, name: str = "serve") -> None:
     option(sessions, "--resume-ms", None, "with --keep-state: how long after a restart the last run's sessions may "
          "resume (their clients re-attach by themselves, with their requests, rows and K/V as they were); one not "
          "resumed by then ends as a lapsed lease ends; none: three leases", integer(0, "milliseconds"))  # fmt: skip
+    option(sessions, "--handoff-ms", 30000, "how long a request handed off (a Step's hand-off item) waits for a "
+         "session to adopt its ticket; one not adopted by then is released as a release would release it",
+         integer(1, "milliseconds"))  # fmt: skip
     option(sessions, "--drain-ms", 1000, "after SIGTERM (readiness NOT_SERVING, no new sessions), how long attached "
          "sessions may go on stepping before the server ends them; it stops sooner once all have detached",
          integer(0, "milliseconds"))  # fmt: skip
@@ -235,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         quarantine_s=None if args.quarantine_ms is None else args.quarantine_ms / 1000,
         resume_s=None if args.resume_ms is None else args.resume_ms / 1000,
+        handoff_s=args.handoff_ms / 1000,
         drain_s=args.drain_ms / 1000,
         shutdown_grace_s=args.shutdown_grace_ms / 1000,
         start_timeout_s=args.start_timeout_ms / 1000,

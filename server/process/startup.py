@@ -90,6 +90,7 @@ class ServerConfig:
     keep_state: bool = False  # keep the KV memory and the core's state across restarts (shm)
     discard_state: bool = False  # with keep_state: drop a kept state instead of adopting it
     resume_s: float | None = None  # with keep_state: how long the last run's sessions may resume; None: 3 leases
+    handoff_s: float = 30.0  # how long a hand-off ticket waits to be adopted
     # The prefix cache and its events.
     prefix_cache: bool = True
     prefix_hash: str = "xxh3-128"  # the page-key recipe (kvmem.server.core.hashing.RECIPES)
@@ -363,6 +364,8 @@ def check_config(
         raise StartupError(f"--lease-ms must be > 0, got {cfg.lease_s * 1000:g}")
     if cfg.shutdown_grace_s < 0:
         raise StartupError(f"--shutdown-grace-ms must be >= 0, got {cfg.shutdown_grace_s * 1000:g}")
+    if cfg.handoff_s <= 0:
+        raise StartupError(f"--handoff-ms must be >= 1, got {cfg.handoff_s * 1000:g}")
     if cfg.drain_s < 0:
         raise StartupError(f"--drain-ms must be >= 0, got {cfg.drain_s * 1000:g}")
     if cfg.start_timeout_s < 0:

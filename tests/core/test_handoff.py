@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from core_state import snapshot
 
 from kvmem.server.core import CoreConfig, KVCore, StepBatch
 from kvmem.server.core.adopt import adopt, layout_for
@@ -19,7 +20,6 @@ from kvmem.server.core.image import CoreImage
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.slots import RequestTable
 from kvmem.server.errors import KVMemError, Reason
-from core_state import snapshot
 
 CFG = CoreConfig(num_pages=24, page_size=4, max_requests=6, max_context_len=32)
 PROMPT = np.arange(500, 512, dtype=np.int32)  # 3 full pages
@@ -200,7 +200,7 @@ def test_a_restart_releases_tickets_not_adopted_and_keeps_everything_else() -> N
     (t1,) = core.step(a, StepBatch.of(handoff=[running(core, a, "dup", 8)])).tickets
     core.step(b, StepBatch.of(handoff=[running(core, b, "dup", 8)]))  # the same request id twice in the holder
     new, report = adopt(CFG, core.block_table.copy(), buf, audit_every_step=True)
-    assert report.repaired == ("2 hand-off ticket(s) not adopted released (tickets are not kept)",), report
+    assert report.repaired == ("2 hand-off ticket(s) not adopted released (not kept)",), report
     assert sorted(s.owner for s in report.sessions) == [a, b] and report.requests == 1
     assert new.slots_of(a).tolist() == [keep] and new.stats().num_used_pages == 2
     with pytest.raises(KVMemError) as err:
