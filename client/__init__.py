@@ -34,6 +34,7 @@ _WHERE = {
     "AsyncEventStream": "kvmem.client.events",
     "MappedMemory": "kvmem.client.memory",
     "Resumed": "kvmem.client.resume",  # what on_resumed is told
+    "ticket_slot": "kvmem.client.handoff",  # the slot a hand-off ticket holds
     "KVAllocator": "kvmem.client.compat",  # the reference allocator's interface (a drop-in)
     "TLSError": "kvmem.client.channel",  # an Unavailable: the connection failed for a reason of TLS
     **{
@@ -81,5 +82,6 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "stats",
+    "ticket_slot",
     "watch_events",
 ]

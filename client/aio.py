@@ -22,10 +22,11 @@ import torch
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 from .base import ClientBase
+from .call import Call
 from .channel import deadline_exceeded
 from .errors import KVMemError, SessionLost, from_rpc_error
 from .events import AsyncEventStream, watch_request
-from .session import Call
+from .handoff import AdoptItems
 from .step import NO_COLUMN, CacheItems, IntsLike, MatchItems, StepResult, TokenLists, TokensLike
 from .stepstream import AsyncStepStream
 from .sync import KVMemClient
@@ -95,14 +96,27 @@ class AsyncKVMemClient(ClientBase):
         self, *, release_slots: IntsLike = NO_COLUMN, truncate_slots: IntsLike = NO_COLUMN,
         truncate_lens: IntsLike = NO_COLUMN, alloc_slots: IntsLike = NO_COLUMN, alloc_needs: IntsLike = NO_COLUMN,
         alloc_expected_lens: IntsLike | None = None, atomic: bool = False, release_token_ids: TokenLists | None = None,
-        cache: CacheItems | None = None, match: MatchItems | None = None, timeout: float | None = None,
+        cache: CacheItems | None = None, match: MatchItems | None = None, handoff: IntsLike | None = None,
+        handoff_states: list[bytes] | None = None, adopt: AdoptItems | None = None, timeout: float | None = None,
     ) -> StepResult:  # fmt: skip
         return await self._perform(self._session.step(release_slots=release_slots, truncate_slots=truncate_slots,
             truncate_lens=truncate_lens, alloc_slots=alloc_slots, alloc_needs=alloc_needs,
             alloc_expected_lens=alloc_expected_lens, atomic=atomic, release_token_ids=release_token_ids,
-            cache=cache, match=match, timeout=timeout))  # fmt: skip
+            cache=cache, match=match, handoff=handoff, handoff_states=handoff_states, adopt=adopt,
+            timeout=timeout))  # fmt: skip
 
     step.__doc__ = KVMemClient.step.__doc__
+
+    async def handoff(self, slots: IntsLike, states: list[bytes] | None = None, *,
+        timeout: float | None = None) -> list[str]:  # fmt: skip
+        return await self._perform(self._session.handoff(slots, states, timeout=timeout))
+
+    handoff.__doc__ = KVMemClient.handoff.__doc__
+
+    async def adopt(self, tickets: list[str], request_ids: list[str], *, timeout: float | None = None) -> StepResult:
+        return await self._perform(self._session.adopt(tickets, request_ids, timeout=timeout))
+
+    adopt.__doc__ = KVMemClient.adopt.__doc__
 
     async def alloc(self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *,
         atomic: bool = False, timeout: float | None = None) -> StepResult:  # fmt: skip

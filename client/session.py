@@ -12,18 +12,20 @@ is one line over the builder of the same name here: the Session builds the
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import torch
-from google.protobuf.message import Message
 
 from kvmem.v1 import kvmem_pb2
 
+from .call import Call
 from .channel import BIG_REQUEST_BYTES, TLSError, auth_metadata, checked_timeout
 from .errors import KVMemError, Reason, SessionLost, Unavailable, from_rpc_error, from_status
+from .handoff import AdoptItems, Handoffs
 from .resume import Resuming
 from .step import (
     NO_COLUMN,
@@ -34,6 +36,8 @@ from .step import (
     TokenLists,
     TokensLike,
     add_column,
+    match_len_of,
+    pages_switched_of,
     prefix_columns,
 )
 
@@ -49,36 +53,7 @@ UNSPECIFIED: Reason = Reason["UNSPECIFIED"]  # what the client says where it has
 _NOT_ATTACHED = "not attached: use `await AsyncKVMemClient.connect(...)` or `async with AsyncKVMemClient(...)`"
 
 
-class Call(Generic[T]):
-    """One call, described and not made: the stub's method name, the request, the
-    deadline in seconds, and ``read``, which turns the response into what the caller
-    gets (a Step goes on the client's step stream unless it was made with
-    ``step_stream=False``). ``ends_session``: the client stops its keep-alive once the call is done.
-    ``fenced``: its answer is handed over only while the lease is known to hold (a Step:
-    its pages are the session's only while the session lives). ``sent_at``: when it was
-    (last) sent (monotonic seconds)."""
-
-    __slots__ = ("ends_session", "fenced", "method", "read", "request", "sent_at", "timeout")
-
-    def __init__(
-        self,
-        method: str,
-        request: Message,
-        timeout: float,
-        read: Callable[[Any], T],
-        ends_session: bool = False,
-        fenced: bool = False,
-    ) -> None:
-        self.method = method
-        self.request = request
-        self.timeout = timeout
-        self.read = read
-        self.ends_session = ends_session
-        self.fenced = fenced
-        self.sent_at = time.monotonic()
-
-
-class Session(Resuming):
+class Session(Resuming, Handoffs):
     """One session's state and logic, without I/O. ``lost`` is why the session ended
     (detached, keep-alive broken, server restarted); every later call raises it.
     ``step_stream``: the Steps go on the client's step stream (else unary calls)."""
@@ -121,6 +96,7 @@ class Session(Resuming):
         self.views_dropped = False
         self._attach_tries = 0  # Attaches retried so far (see attach_retry)
         self._init_resuming()  # the server keeps its state: see kvmem.client.resume
+        self._init_handoffs()  # the slots it handed off: see kvmem.client.handoff
 
     # ------------------------------------------------------------------ calls
 
@@ -163,7 +139,7 @@ class Session(Resuming):
     def open(self, request_ids: list[str], *, timeout: float | None = None) -> Call[torch.Tensor]:
         """The Open of ``open``: slots (int32) for ``request_ids``."""
         request = kvmem_pb2.OpenRequest(session_id=self._live_id(), request_ids=request_ids)
-        return Call("Open", request, self._deadline(timeout), _slots)
+        return Call("Open", request, self._deadline(timeout), self.opened)
 
     def step(
         self,
@@ -178,6 +154,9 @@ class Session(Resuming):
         release_token_ids: TokenLists | None = None,
         cache: CacheItems | None = None,
         match: MatchItems | None = None,
+        handoff: IntsLike | None = None,
+        handoff_states: list[bytes] | None = None,
+        adopt: AdoptItems | None = None,
         timeout: float | None = None,
     ) -> Call[StepResult]:
         """The Step of ``step`` (the clients' ``step`` says what each column does):
@@ -203,20 +182,40 @@ class Session(Resuming):
             columns["atomic"] = True
         if release_token_ids is not None or cache or match:
             prefix_columns(columns, release_token_ids, cache, match)
+        read: Callable[[kvmem_pb2.StepResponse], StepResult] = StepResult
+        if self.handed_off:
+            self.fence(release_slots, truncate_slots, alloc_slots, [c[0] for c in cache or ()],
+                       [m[0] for m in match or ()], handoff)  # fmt: skip
+        if handoff is not None or handoff_states is not None or adopt:
+            given = self.handoff_columns(columns, handoff, handoff_states, adopt)
+            read = functools.partial(self.stepped, given)
         request = kvmem_pb2.StepRequest(session_id=self._live_id(), **columns)
-        return Call("Step", request, self._deadline(timeout), StepResult, fenced=True)
+        return Call("Step", request, self._deadline(timeout), read, fenced=True)
+
+    def handoff(
+        self, slots: IntsLike, states: list[bytes] | None = None, *, timeout: float | None = None
+    ) -> Call[list[str]]:
+        """The Step of ``handoff``: hand-off items only; its answer read as the tickets."""
+        call = self.step(handoff=slots, handoff_states=states, timeout=timeout)
+        return Call("Step", call.request, call.timeout, lambda resp: call.read(resp).tickets, fenced=True)
+
+    def adopt(self, tickets: list[str], request_ids: list[str], *, timeout: float | None = None) -> Call[StepResult]:
+        """The Step of ``adopt``: adopt items only (tickets and request ids of one length)."""
+        if len(tickets) != len(request_ids):
+            raise ValueError(f"{len(tickets)} tickets but {len(request_ids)} request ids")
+        return self.step(adopt=list(zip(tickets, request_ids, strict=True)), timeout=timeout)
 
     def match(
         self, slot: int, token_ids: TokensLike, max_tokens: int | None = None, *, timeout: float | None = None
     ) -> Call[int]:
         """The Step of ``match``: one match item; its answer read as the tokens matched."""
         call = self.step(match=[(slot, token_ids, max_tokens)], timeout=timeout)
-        return Call("Step", call.request, call.timeout, _match_len, fenced=True)
+        return Call("Step", call.request, call.timeout, match_len_of, fenced=True)
 
     def cache(self, slot: int, token_ids: TokensLike, *, timeout: float | None = None) -> Call[int]:
         """The Step of ``cache``: one cache item; its answer read as the pages switched."""
         call = self.step(cache=[(slot, token_ids)], timeout=timeout)
-        return Call("Step", call.request, call.timeout, _pages_switched, fenced=True)
+        return Call("Step", call.request, call.timeout, pages_switched_of, fenced=True)
 
     def alloc(
         self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *, atomic: bool = False,
@@ -429,22 +428,9 @@ class Session(Resuming):
                 self.on_views_stale(stale)
 
 
-def _slots(resp: kvmem_pb2.OpenResponse) -> torch.Tensor:
-    return torch.tensor(list(resp.slots), dtype=torch.int32)
-
-
 def _stats(resp: kvmem_pb2.StatsResponse) -> kvmem_pb2.StatsResponse:
     return resp
 
 
 def _num_released(resp: kvmem_pb2.DetachResponse) -> int:
     return resp.num_requests_released
-
-
-def _match_len(resp: kvmem_pb2.StepResponse) -> int:
-    """The first match item's matched length (int32 LE), read without a tensor."""
-    return int.from_bytes(resp.match_lens[:4], "little", signed=True)
-
-
-def _pages_switched(resp: kvmem_pb2.StepResponse) -> int:
-    return int.from_bytes(resp.cache_switched[:4], "little", signed=True)

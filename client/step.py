@@ -146,6 +146,16 @@ def prefix_columns(
             columns["match_max_tokens"] = limits
 
 
+def match_len_of(resp: kvmem_pb2.StepResponse) -> int:
+    """The first match item's matched length (int32 LE), read without a tensor."""
+    return int.from_bytes(resp.match_lens[:4], "little", signed=True)
+
+
+def pages_switched_of(resp: kvmem_pb2.StepResponse) -> int:
+    """The first cache item's pages switched (int32 LE), read without a tensor."""
+    return int.from_bytes(resp.cache_switched[:4], "little", signed=True)
+
+
 class _BytesView:
     """A read-only tensor view of one ``bytes`` field of the step response, made on
     first access and kept in the result's slot of the same name. A data descriptor
@@ -186,8 +196,8 @@ class StepResult:
     """
 
     __slots__ = (
-        "_cache_switched", "_kv_loc", "_kv_loc_offsets", "_match_lens", "_new_page_offsets", "_new_pages", "_resp",
-        "_status",
+        "_adopt_lens", "_adopt_slots", "_cache_switched", "_kv_loc", "_kv_loc_offsets", "_match_lens",
+        "_new_page_offsets", "_new_pages", "_resp", "_status",
     )  # fmt: skip
 
     status = _BytesView("alloc_status", torch.int8, "int8 [n]: AllocStatus per alloc item.")
@@ -203,11 +213,25 @@ class StepResult:
         "int32 [c]: per cache item, the pages of its row switched to an equal cached page (the row changed).",
     )  # fmt: skip
 
+    adopt_slots = _BytesView("adopt_slots", torch.int32, "int32 [a]: per adopt item, its request slot here.")
+    adopt_lens = _BytesView("adopt_lens", torch.int32, "int32 [a]: per adopt item, its alloced_len (tokens).")
+
     def __init__(self, resp: kvmem_pb2.StepResponse) -> None:
         self._resp = resp
         self._status = self._kv_loc = self._kv_loc_offsets = None
         self._new_pages = self._new_page_offsets = None
         self._match_lens = self._cache_switched = None
+        self._adopt_slots = self._adopt_lens = None
+
+    @property
+    def tickets(self) -> list[str]:
+        """Per hand-off item, its ticket: what another session adopts (unguessable, single-use)."""
+        return list(self._resp.handoff_tickets)
+
+    @property
+    def adopt_states(self) -> list[bytes]:
+        """Per adopt item, the state its request was handed off with (b"" if none)."""
+        return list(self._resp.adopt_states)
 
     @property
     def num_pages_released(self) -> int:

@@ -18,10 +18,11 @@ import torch
 from kvmem.v1 import kvmem_pb2, kvmem_pb2_grpc
 
 from .base import ClientBase
+from .call import Call
 from .channel import deadline_exceeded
 from .errors import KVMemError, SessionLost, from_rpc_error
 from .events import EventStream, watch_request
-from .session import Call
+from .handoff import AdoptItems
 from .step import NO_COLUMN, CacheItems, IntsLike, MatchItems, StepResult, TokenLists, TokensLike
 from .stepstream import StepStream
 
@@ -100,10 +101,11 @@ class KVMemClient(ClientBase):
         self, *, release_slots: IntsLike = NO_COLUMN, truncate_slots: IntsLike = NO_COLUMN,
         truncate_lens: IntsLike = NO_COLUMN, alloc_slots: IntsLike = NO_COLUMN, alloc_needs: IntsLike = NO_COLUMN,
         alloc_expected_lens: IntsLike | None = None, atomic: bool = False, release_token_ids: TokenLists | None = None,
-        cache: CacheItems | None = None, match: MatchItems | None = None, timeout: float | None = None,
+        cache: CacheItems | None = None, match: MatchItems | None = None, handoff: IntsLike | None = None,
+        handoff_states: list[bytes] | None = None, adopt: AdoptItems | None = None, timeout: float | None = None,
     ) -> StepResult:  # fmt: skip
-        """One scheduler step in one round trip: releases, truncates, caches, matches,
-        then allocs, validated whole (an invalid item changes nothing). Per alloc item
+        """One scheduler step in one round trip: releases, truncates, hand-offs, caches,
+        matches, adoptions, then allocs, validated whole (an invalid item changes nothing). Per alloc item
         ``i``: ``alloc_needs[i]`` more tokens for request slot ``alloc_slots[i]`` (with
         ``alloc_expected_lens[i]``, the request's alloced_len it must have, -1: any;
         ``atomic``: no alloc unless all fit). Running out of pages is no error: it is the
@@ -127,6 +129,17 @@ class KVMemClient(ClientBase):
           sent) and gets the remainder, ``need - matched`` tokens from the match's end
           (give it no expected length).
 
+        Hand-offs (another session of this server goes on with the request, nothing
+        copied: see :meth:`handoff`):
+
+        * ``handoff``: request slots that leave this session, each held under a ticket
+          (``StepResult.tickets``), with ``handoff_states`` (per slot, opaque bytes of at
+          most 256 KiB: the token state the adopter needs) if given.
+        * ``adopt``: ``(ticket, request_id)`` items: each ticket's request becomes this
+          session's under ``request_id``, with the same slot, row and length
+          (``StepResult.adopt_slots``, ``adopt_lens``, ``adopt_states``); an alloc item of
+          the same step may name its slot (:func:`kvmem.client.ticket_slot`).
+
         Cost: one round trip, one message each way on the step stream (``step_stream``;
         else a unary Step). Columns that are numpy arrays or CPU tensors travel as their
         int32 bytes (no per-item encoding); the server's work is O(items + pages
@@ -135,11 +148,14 @@ class KVMemClient(ClientBase):
 
         :raises InvalidArgument: a malformed column (``BAD_VALUE``, ``LENGTH_MISMATCH``,
             ``DUPLICATE_SLOT``); nothing changed.
-        :raises NotFound: a slot that is not open in this session (``SLOT_NOT_FOUND``);
-            nothing changed.
+        :raises NotFound: a slot that is not open in this session (``SLOT_NOT_FOUND``; the
+            client says so before sending for a slot this session handed off), or a
+            ticket that is not open (``TICKET_NOT_FOUND``); nothing changed.
         :raises FailedPrecondition: an item that disagrees with its request
-            (``ALLOCED_LEN_MISMATCH``, ``TRUNCATE_BEYOND_ALLOCED``, ``PAGE_SHARED``);
-            nothing changed.
+            (``ALLOCED_LEN_MISMATCH``, ``TRUNCATE_BEYOND_ALLOCED``, ``PAGE_SHARED``), a
+            ticket of another cache namespace (``NAMESPACE_MISMATCH``); nothing changed.
+        :raises KVMemError: an adoption past the session's quota (``RESOURCE_EXHAUSTED``,
+            ``QUOTA_EXCEEDED``); nothing changed.
         :raises SessionLost: the session is gone, or the answer came when the lease was
             no longer known to hold (withheld: the pages may be another's by then).
         :raises Unavailable: the server is shutting down or cannot be reached.
@@ -148,7 +164,33 @@ class KVMemClient(ClientBase):
         return self._perform(self._session.step(release_slots=release_slots, truncate_slots=truncate_slots,
             truncate_lens=truncate_lens, alloc_slots=alloc_slots, alloc_needs=alloc_needs,
             alloc_expected_lens=alloc_expected_lens, atomic=atomic, release_token_ids=release_token_ids,
-            cache=cache, match=match, timeout=timeout))  # fmt: skip
+            cache=cache, match=match, handoff=handoff, handoff_states=handoff_states, adopt=adopt,
+            timeout=timeout))  # fmt: skip
+
+    def handoff(self, slots: IntsLike, states: list[bytes] | None = None, *,
+        timeout: float | None = None) -> list[str]:  # fmt: skip
+        """Hand running requests to another session of this server, copying nothing:
+        each of ``slots`` leaves this session with its row, pages and length, held under
+        the ticket returned for it (in order) until a session of the same cache
+        namespace adopts it (:meth:`adopt`), ``kvmem serve --handoff-ms`` passes, or this
+        session ends (then it is released with it). ``states``: per slot, opaque bytes
+        (at most 256 KiB) given to the adopter, e.g. the request's token ids. Send the
+        tickets to the adopting process yourself (a ticket is a secret: whoever holds it
+        takes the request). From now on this process must not write the requests' pages
+        (it still maps them): drop their ``kv_loc``; this client refuses Step items that
+        name the slots until the server gives them to this session again. One Step;
+        errors: :meth:`step`'s."""
+        return self._perform(self._session.handoff(slots, states, timeout=timeout))
+
+    def adopt(self, tickets: list[str], request_ids: list[str], *, timeout: float | None = None) -> StepResult:
+        """Take over requests another session handed off (:meth:`handoff`), with nothing
+        copied: each ticket's request becomes this session's under the request id of the
+        same position (new to this session), with the same slot, row, pages and length,
+        so its K/V is read in place: ``StepResult.adopt_slots``, ``adopt_lens`` and
+        ``adopt_states``. The pages count against this session's quota. To decode in
+        the same round trip, use :meth:`step` with ``adopt`` and alloc items. One Step;
+        errors: :meth:`step`'s (a ticket used, expired or forged: ``TICKET_NOT_FOUND``)."""
+        return self._perform(self._session.adopt(tickets, request_ids, timeout=timeout))
 
     def alloc(self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *,
         atomic: bool = False, timeout: float | None = None) -> StepResult:  # fmt: skip
