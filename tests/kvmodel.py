@@ -326,8 +326,28 @@ class KVModel:
             r.owner, r.rid = HOLDER, ticket
             self.tickets[ticket] = (owner, self.owners[owner].namespace)
 
+    def handoff_faults(self, owner: Hashable, slots: Sequence[int], states: Sequence[bytes]) -> set[str]:
+        """The reasons hand-off items (with no other item) may be refused for."""
+        if owner not in self.owners:
+            return {"UNKNOWN_SESSION"}
+        faults = set()
+        mine = self.requests_of(owner)
+        if len(slots) > self.max_requests:
+            faults.add("BAD_VALUE")
+        if any(s not in mine for s in slots):
+            faults.add("SLOT_NOT_FOUND")
+        if len(set(slots)) != len(slots):
+            faults.add("DUPLICATE_SLOT")
+        if states and len(states) != len(slots):
+            faults.add("LENGTH_MISMATCH")
+        if any(len(s) > 256 * 1024 for s in states):
+            faults.add("BAD_VALUE")
+        return faults
+
     def adopt_faults(self, owner: Hashable, tickets: Sequence[str], rids: Sequence[str], quota: int | None) -> set[str]:
         """The reasons adopt items (with no other item) may be refused for."""
+        if owner not in self.owners:
+            return {"UNKNOWN_SESSION"}
         faults = set()
         slots = self.ticket_slots()
         have = {r.rid for r in self.requests_of(owner).values()}
@@ -341,9 +361,9 @@ class KVModel:
             faults.add("BAD_VALUE")
         if any(t not in slots for t in tickets):
             faults.add("TICKET_NOT_FOUND")
-        elif any(self.tickets[t][1] != self.owners[owner].namespace for t in tickets):
+        if any(t in slots and self.tickets[t][1] != self.owners[owner].namespace for t in tickets):
             faults.add("NAMESPACE_MISMATCH")
-        elif quota is not None:
+        if not faults and quota is not None:
             gain = sum(len(self.requests[slots[t]].pages) for t in set(tickets))
             if self.held(owner) + gain > quota:
                 faults.add("QUOTA_EXCEEDED")

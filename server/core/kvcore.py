@@ -224,7 +224,7 @@ class KVCore:
         rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
         cache = self.cache
         evictions = cache.num_evictions
-        moves = batch.handoff_slots.size or batch.adopt_tickets or batch.adopt_request_ids
+        moves = batch.handoff_slots.size or batch.handoff_states or batch.adopt_tickets or batch.adopt_request_ids
         if al.size and not rel.size and not tr.size and not prefix and not moves:
             # The decode fast path validates, plans and applies in one pass (its undo
             # record begun there), or changes nothing and leaves the step to the general path.
@@ -276,7 +276,7 @@ class KVCore:
         plan = None
         if prefix or (tr.size and cache.enabled and cache.num_entries):
             plan = prefix_step.validate(cache, requests, state, batch)
-        if hs.size:
+        if hs.size or batch.handoff_states:
             tickets.check_handoffs(state, batch)
         if adopted is not None:
             tickets.check_quota(state, batch, adopted, quota_pages)

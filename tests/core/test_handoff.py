@@ -116,6 +116,7 @@ def test_hand_off_items_are_checked_whole() -> None:
         (StepBatch.of(handoff=[s1], release_slots=[s1]), Reason.SLOT_NOT_FOUND),
         (StepBatch.of(handoff=[s1], alloc_slots=[s1], alloc_needs=[1]), Reason.BAD_VALUE),
         (StepBatch.of(handoff=[s1], handoff_states=[b"a", b"b"]), Reason.LENGTH_MISMATCH),
+        (StepBatch.of(handoff_states=[b"a"]), Reason.LENGTH_MISMATCH),
         (StepBatch.of(handoff=[s1], handoff_states=[b"x" * (MAX_STATE_BYTES + 1)]), Reason.BAD_VALUE),
     ]
     for batch, reason in cases:

@@ -199,6 +199,9 @@ REASON_CODE = {
     "NO_FREE_REQUEST_SLOT": Code.RESOURCE_EXHAUSTED,
     "TOO_MANY_SESSIONS": Code.RESOURCE_EXHAUSTED,
     "PAGE_SHARED": Code.FAILED_PRECONDITION,
+    "TICKET_NOT_FOUND": Code.NOT_FOUND,
+    "NAMESPACE_MISMATCH": Code.FAILED_PRECONDITION,
+    "QUOTA_EXCEEDED": Code.RESOURCE_EXHAUSTED,
 }
 
 # What a refused Step's message says, for the summary of refusals by kind.
@@ -207,6 +210,8 @@ FAULT_KINDS = [
     "is not open", "released earlier", "items, at most", "but match_max_tokens has", "items but",
     "must be in [0, 2^31)", "must be >= 0", "is beyond", "differs from alloced_len", "is matched in this step",
     "a match needs a fresh", "beyond alloced_len", "differ from those it is cached", "prefix cache that other requests",
+    "no open hand-off ticket", "repeats adopt_tickets", "already open in this session", "another namespace",
+    "over its quota", "handoff_states",
 ]  # fmt: skip
 
 UNARY = ("Attach", "Detach", "Open", "Step", "Stats")
@@ -368,6 +373,7 @@ class Fuzzer:
         )
         self.sessions: dict[str, SessionModel] = {}
         self.dead: list[str] = []  # ids of ended sessions
+        self.used_tickets: list[str] = []  # tickets adopt items named (adopted, or refused)
         self.model = self.fresh_model()  # the core's state; its owners are the sessions, by id
         self.epoch: str | None = None
         self.block_table: tuple[str, tuple[int, ...]] | None = None  # shm path, shape
@@ -563,6 +569,33 @@ class Fuzzer:
         assert resp.num_free_pages == len(self.model.free), self.fail(
             f"Step: num_free_pages {resp.num_free_pages}, the model {len(self.model.free)}"
         )
+
+    def move(self, req: kvmem_pb2.StepRequest) -> None:
+        """A Step of hand-off items or of adopt items only: valid ones move the model's
+        requests (the tickets read from the answer), wrong ones change nothing."""
+        s = self.sessions.get(req.session_id)
+        sid = req.session_id if s is not None else None
+        slots, states, tickets, rids = (list(req.handoff_slots), list(req.handoff_states), list(req.adopt_tickets),
+                                        list(req.adopt_request_ids))  # fmt: skip
+        if slots or states:
+            reasons = self.model.handoff_faults(sid, slots, states)
+        else:
+            reasons = self.model.adopt_faults(sid, tickets, rids, None if s is None else s.quota_pages)
+        resp, ref = self.call("Step", req)
+        self.expect("Step", ref, reasons)
+        if ref is not None:
+            self.faults[(ref.reason, next((k for k in FAULT_KINDS if k in ref.message), "other"))] += 1
+        if resp is None:
+            return
+        if slots:
+            self.model.hand_off(sid, slots, list(resp.handoff_tickets))
+            self.prefix["requests handed off"] += len(slots)
+        else:
+            got = self.model.adopt(sid, tickets, rids)
+            answer = list(zip(int32s(resp.adopt_slots), int32s(resp.adopt_lens), strict=True))
+            assert answer == got, self.fail(f"Step: adopted {answer}, the model {got}")
+            assert list(resp.adopt_states) == [b""] * len(got) or len(resp.adopt_states) == len(got)
+            self.prefix["requests adopted"] += len(got)
 
     def stats(self, req: kvmem_pb2.StatsRequest, body: bytes | None = None) -> None:
         resp, ref = self.call("Stats", req, body)
@@ -781,7 +814,7 @@ TOKEN_KINDS = [st.integers(0, 1), st.integers(0, 1), st.integers(INT32_MIN, INT3
 PREFIX_SHAPES = list(itertools.product((1, 0, 0), (1, 0, 0), (1, 0), (1, 1, 0), (1, 0)))
 
 OPS = (
-    ["step"] * 5 + ["prefix"] * 12 + ["open"] * 4 + ["decode"] * 3 + ["raw"] * 3
+    ["step"] * 5 + ["prefix"] * 12 + ["open"] * 4 + ["decode"] * 3 + ["raw"] * 3 + ["handoff"] * 2 + ["adopt"] * 3
     + ["attach", "detach", "stats", "keepalive"]
 )  # fmt: skip
 
@@ -938,6 +971,41 @@ class Generator:
             session_id=sid, release_slots=rel, truncate_slots=tr, truncate_lens=tl, alloc_slots=al, alloc_needs=an,
             alloc_expected_lens=ae, atomic=self.draw(st.booleans(), "atomic"),
         )  # fmt: skip
+
+    def handoff_request(self) -> kvmem_pb2.StepRequest:
+        """Hand-off items: mostly distinct slots of the session, sometimes bad ones; states
+        one per item, none, of the wrong count or too long."""
+        sid, s = self.session(busy=True)
+        slots = self.slots_column(s, "handoff")
+        kind = self.pick(["none"] * 4 + ["each"] * 4 + ["mismatch", "too long"], "handoff states")
+        states = {"none": [], "each": [b"s%d" % i for i in range(len(slots))], "mismatch": [b"x"] * (len(slots) + 1),
+                  "too long": [b"y" * (256 * 1024 + 1)] * len(slots)}[kind]  # fmt: skip
+        return kvmem_pb2.StepRequest(session_id=sid, handoff_slots=slots, handoff_states=states)
+
+    def adopt_request(self) -> kvmem_pb2.StepRequest:
+        """Adopt items: open tickets (by their order of issue), or forged, adopted or junk
+        ones, repeated; new request ids, ids the session has open, empty or too long ones."""
+        sid, s = self.session()
+        open_tickets = list(self.fz.model.tickets)
+        wrong = [f"1.{'0' * 32}", "junk", "", *self.fz.used_tickets[-2:]]
+        tickets = []
+        for _ in range(self.pick([1, 1, 1, 2], "adopt count")):
+            right = open_tickets and self.pick([True] * 5 + [False] * 2, "an open ticket")
+            tickets.append(self.pick(open_tickets if right else wrong, "ticket"))
+        rids = [f"adopted{self.fz.calls}.{i}" for i in range(len(tickets))]
+        flaw = self.pick([None] * 10 + ["open id", "empty id", "long id", "repeat id", "mismatch"], "adopt flaw")
+        if flaw == "open id" and s is not None and s.ids:
+            rids[0] = self.pick(sorted(s.ids), "open id")
+        elif flaw == "empty id":
+            rids[0] = ""
+        elif flaw == "long id":
+            rids[0] = "z" * (MAX_REQUEST_ID_BYTES + 1)
+        elif flaw == "repeat id" and len(rids) > 1:
+            rids[1] = rids[0]
+        elif flaw == "mismatch":
+            rids = rids[:-1]
+        self.fz.used_tickets.extend(t for t in tickets if t in open_tickets)
+        return kvmem_pb2.StepRequest(session_id=sid, adopt_tickets=tickets, adopt_request_ids=rids)
 
     def decode_request(self) -> kvmem_pb2.StepRequest:
         """The decode step (the server's fast path): one token for some or all of the
@@ -1228,6 +1296,12 @@ class Generator:
                 fz.verify()
                 return
             fz.step(self.prefix_request(sid, s))
+        elif op == "handoff":
+            fz.move(self.handoff_request())
+        elif op == "adopt" and not fz.model.tickets and self.draw(st.integers(0, 3), "hand off first"):
+            fz.move(self.handoff_request())  # a ticket for the adoptions to come
+        elif op == "adopt":
+            fz.move(self.adopt_request())
         elif op == "open":
             fz.open(self.open_request())
         elif op == "attach":
