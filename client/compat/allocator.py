@@ -1,6 +1,7 @@
 """The drop-in's public class, :class:`KVAllocator`: the reference allocator's methods
 (``shared/reference/seed_kv_allocator.py``) with their meaning, and kvmem's additions
-(``match_prefix``, ``cache_request``, ``finish``, ``truncate``, the iteration block),
+(``match_prefix``, ``cache_request``, ``finish``, ``truncate``, the iteration block,
+``handoff`` and ``adopt``),
 over a kvmem session. Each method checks its call against what is planned and hands it
 to the :class:`~kvmem.client.compat.calls.Outbox`, which sends.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -20,7 +21,7 @@ from kvmem.client.step import AllocStatus, TokensLike
 from kvmem.client.sync import KVMemClient
 
 from .book import Book
-from .calls import ALLOC, CACHE, FREE, MATCH, Batch, Free, Outbox
+from .calls import ALLOC, CACHE, FREE, MATCH, MISSING, Batch, Free, Outbox
 from .results import Iteration, PendingInt, ReqToPage
 
 
@@ -324,6 +325,54 @@ class KVAllocator:
         index, n = self._index(req_pool_index), _count(new_len, "new_len")
         r = self._out.held(index, n, 0, "truncate")
         self._out.pending.add_free(r, Free(n))
+
+    def handoff(self, req_pool_indices: Sequence[int], states: list[bytes] | None = None) -> list[str]:
+        """Hand the requests of ``req_pool_indices`` to another scheduler of this server,
+        copying nothing (:meth:`kvmem.client.KVMemClient.handoff`): one Step, outside a
+        block; returns a ticket per index, for the adopting process. The indices are
+        free afterwards (their ``req_to_page`` rows read zeros) and this process must not
+        write the requests' pages any more. An index with calls queued (a block not
+        ended, frees not sent) is refused first."""
+        indices = [self._index(i) for i in req_pool_indices]
+        self._idle("handoff", indices)
+        reqs = [self._reqs[i] for i in indices]
+        missing = [i for i, r in zip(indices, reqs, strict=True) if r is None or not r.slot]
+        if missing:
+            raise ValueError(f"request index {missing[0]} holds no request to hand off")
+        tickets = self.client.handoff([r.slot for r in reqs if r is not None], states)
+        self._book.handed_off(indices)
+        return tickets
+
+    def adopt(self, tickets: Sequence[str], req_pool_indices: Sequence[int]) -> list[int]:
+        """Take over requests another scheduler handed off (:meth:`handoff`, or a
+        :class:`~kvmem.client.KVMemClient`'s), each under a free request index of this
+        allocator, with their K/V in place: one Step, outside a block. Returns each
+        one's alloced_len (its tokens); ``req_to_page`` reads its pages at once, and
+        ``alloc`` goes on from that length."""
+        indices = [self._index(i) for i in req_pool_indices]
+        if len(indices) != len(tickets) or len(set(indices)) != len(indices):
+            raise ValueError(f"{len(tickets)} tickets need as many distinct request indices, got {indices}")
+        self._idle("adopt", indices)
+        taken = [i for i in indices if self._reqs[i] is not None]
+        if taken:
+            raise ValueError(f"request index {taken[0]} holds a request: adopt into a free index")
+        rids = [self._book.new_request(i, self._out.prefix).request_id for i in indices]
+        res = self.client.adopt(list(tickets), rids)
+        self._book.adopted(indices, rids, res.adopt_slots.tolist(), res.adopt_lens.tolist())
+        return res.adopt_lens.tolist()
+
+    def _idle(self, what: str, indices: list[int]) -> None:
+        """No block open and no call queued for ``indices``: a hand-off or an adoption goes alone."""
+        out = self._out
+        if out.block is not None:
+            raise RuntimeError(f"{what}() inside an iteration block: call it between blocks")
+        queued = [i for i in indices if out.pending.binding(i) is not MISSING or self._queued(i)]
+        if queued:
+            raise RuntimeError(f"request index {queued[0]} has frees queued: free_group_end() first")
+
+    def _queued(self, index: int) -> bool:
+        r = self._reqs[index]
+        return r is not None and r in self._out.pending.phase
 
     def iteration(self) -> contextlib.AbstractContextManager[Iteration]:
         """A block for one scheduler iteration: the calls inside go out at its end as

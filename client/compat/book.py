@@ -81,6 +81,22 @@ class Book:
         for r, slot in zip(requests, slots, strict=True):
             r.slot = slot
 
+    def handed_off(self, indices: list[int]) -> None:
+        """The requests of ``indices`` were handed off (to a ticket): their indices are free."""
+        for index in indices:
+            r = self.reqs[index]
+            if r is not None:
+                r.closed, r.length = True, 0
+            self.reqs[index] = None
+            self.slot_of[index] = 0
+
+    def adopted(self, indices: list[int], request_ids: list[str], slots: list[int], lens: list[int]) -> None:
+        """Tickets were adopted: each index stands for its adopted request now."""
+        for index, rid, slot, length in zip(indices, request_ids, slots, lens, strict=True):
+            self.reqs[index] = Request(rid, index, slot, length)
+            self.generation[index] += 1
+            self.slot_of[index] = slot
+
     def counted(self, num_free_pages: int, num_cached_pages: int) -> None:
         """The pool's counters as a Stats call said."""
         self.num_free_pages, self.num_evictable_pages = num_free_pages, num_cached_pages

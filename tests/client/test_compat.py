@@ -661,3 +661,28 @@ def test_finish_and_reuse_the_index_in_one_block(small: ServerProcess) -> None:
         with pytest.raises(ValueError, match="finished twice"), a.iteration():
             a.finish(0)
             a.finish(0)
+
+
+def test_a_request_index_handed_off_is_adopted_under_a_new_index(small: ServerProcess) -> None:
+    """The drop-in hands a request off by index and another allocator (another session)
+    adopts it under one of its own free indices: the same pages through ``req_to_page``,
+    the length, and ``alloc`` goes on from there; the giver's index is free again."""
+    with attach(small) as a, attach(small) as b:
+        a.alloc(3, 6, 0)  # pages 1, 2
+        row = a.req_to_page[3][:2].tolist()
+        with pytest.raises(RuntimeError, match="inside an iteration block"), a.iteration():
+            a.handoff([3])
+        (ticket,) = a.handoff([3], [b"state"])
+        assert a.req_to_page[3].count_nonzero() == 0 and a.alloced_len(3) == 0
+        with pytest.raises(ValueError, match="holds no request"):
+            a.handoff([3])
+        b.alloc(0, 1, 0)
+        with pytest.raises(ValueError, match="index 0 holds a request"):
+            b.adopt([ticket], [0])
+        assert b.adopt([ticket], [5]) == [6]
+        assert b.req_to_page[5][:2].tolist() == row and b.alloced_len(5) == 6
+        assert b.alloc(5, 1, 6).tolist() == [row[1] * PS + 2]
+        assert a.alloc(3, 4, 0) is not None  # the giver's index takes a new request
+        b.finish(5)
+        b.free_group_end()
+        assert b.client.stats(audit=True).audit.ok
