@@ -32,18 +32,22 @@ class Plan:
     alloc_slots: list[int] = dataclasses.field(default_factory=list)
     alloc_needs: list[int] = dataclasses.field(default_factory=list)
     alloc_expected: list[int] = dataclasses.field(default_factory=list)
+    handoff_slots: list[int] = dataclasses.field(default_factory=list)  # hand-offs (kvmem's client only)
+    handoff_states: list[bytes] = dataclasses.field(default_factory=list)
+    adopt: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (ticket, request id)
 
 
 @dataclasses.dataclass(slots=True)
 class Outcome:
     """A Step's answer: per alloc item its status and token slots (``kv_loc[off[i] :
     off[i + 1]]``; None when the backend has no KV memory), per match item the tokens
-    matched."""
+    matched, per hand-off item its ticket."""
 
     status: np.ndarray
     kv_loc: np.ndarray | None
     offsets: np.ndarray
     match_lens: np.ndarray
+    tickets: list[str] = dataclasses.field(default_factory=list)
 
 
 class Backend(Protocol):

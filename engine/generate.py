@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from kvmem.client import KVMemClient
 from .backend import Backend
 from .hf_model import Sampling, TransformersModel, check_geometry
 from .loop import Loop, Request, RunFigures
+
+if TYPE_CHECKING:
+    from .handoff import Moves
 
 __all__ = ["APIS", "Completion", "Delta", "Engine", "RunFigures"]
 
@@ -52,6 +56,10 @@ class Completion:
     iterations: int
     preemptions: int
     logits: torch.Tensor | None = None
+    ttft_s: float = 0.0  # its first token's time since the run started (in whichever process)
+    tpot_s: float = 0.0  # time per output token in the process that finished it (0: one token only)
+    moves: int = 0  # hand-offs it went through (kvmem generate --disaggregate, draining)
+    computed_here: int = 0  # tokens whose K/V the process that finished it computed
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,7 +173,13 @@ class Engine:
         * ``token_budget``: the most tokens computed per forward pass, prefill chunks,
           decodes and drafts together (512; it also bounds the requests running);
         * ``speculate``: drafts per decode by prompt lookup (0: none; see :mod:`.loop`);
-        * ``keep_logits``: keep each sampled token's logits (:attr:`Completion.logits`).
+        * ``keep_logits``: keep each sampled token's logits (:attr:`Completion.logits`);
+        * ``moves``: hand-offs and adoptions (:class:`~.handoff.Moves`: requests leave
+          for, or come from, other engine processes, their K/V in place); the
+          completions are then those of the requests that finished here;
+        * ``started_at``: the run's start (monotonic seconds) for time to first token;
+        * ``indices``: the prompts' indices (default 0, 1, ...): a request keeps its
+          index when it moves between processes.
         """
         return iter(self._run(prompts, **options))
 
@@ -180,6 +194,9 @@ class Engine:
         token_budget: int = 512,
         speculate: int = 0,
         keep_logits: bool = False,
+        moves: Moves | None = None,
+        started_at: float | None = None,
+        indices: Sequence[int] | None = None,
     ) -> _Run:
         if max_new_tokens < 1 or token_budget < 1 or speculate < 0:
             raise ValueError(
@@ -190,7 +207,8 @@ class Engine:
             raise ValueError(f"stop strings {list(stop)} need a tokenizer (Engine(..., tokenizer=))")
         if any(not s for s in stop):
             raise ValueError(f"stop strings must not be empty, got {list(stop)}")
-        reqs = [Request(i, self._encode(i, p), max_new_tokens) for i, p in enumerate(prompts)]
+        order = range(len(prompts)) if indices is None else indices
+        reqs = [Request(i, self._encode(i, p), max_new_tokens) for i, p in zip(order, prompts, strict=True)]
         for r in reqs:
             if r.tokens.size > self.max_context:
                 raise ValueError(
@@ -201,9 +219,11 @@ class Engine:
         loop = Loop(
             self.backend, tm, reqs, max_new_tokens=max_new_tokens, stops=frozenset(self._stop_tokens(stop_token_ids)),
             budget=token_budget, max_running=self.max_running, speculate=speculate,
-            stop_check=self._stop_check(tuple(stop)), keep_logits=keep_logits,
+            stop_check=self._stop_check(tuple(stop)), keep_logits=keep_logits, moves=moves,
         )  # fmt: skip
-        return _Run(self, loop, reqs, tuple(stop))
+        run = _Run(self, loop, reqs, tuple(stop))
+        run.started_at = loop.started_at = time.monotonic() if started_at is None else started_at
+        return run
 
     def _encode(self, index: int, prompt: str | Sequence[int] | np.ndarray) -> np.ndarray:
         if isinstance(prompt, str):
@@ -254,7 +274,8 @@ class _Run:
 
     def __init__(self, engine: Engine, loop: Loop, reqs: list[Request], stop: tuple[str, ...]) -> None:
         self.engine, self.loop, self.reqs, self.stop = engine, loop, reqs, stop
-        self.texts = [_Detokenizer(engine.tokenizer, stop) for _ in reqs] if engine.tokenizer is not None else None
+        self.texts: dict[int, _Detokenizer] | None = {} if engine.tokenizer is not None else None
+        self.started_at = 0.0
 
     def __iter__(self) -> Iterator[Delta]:
         loop = self.loop
@@ -273,19 +294,28 @@ class _Run:
         new = r.new_tokens()
         text = None
         if self.texts is not None:
+            if r.index not in self.texts:
+                self.texts[r.index] = _Detokenizer(self.engine.tokenizer, self.stop)
             text = self.texts[r.index].take(new, self.engine.text(new.tolist(), self.stop) if r.finish else None)
         return Delta(r.index, new[-n:].tolist(), text, r.finish or None)
 
     def completions(self) -> list[Completion]:
+        """The completions of the run's prompts, in their order; with hand-offs, those of
+        the requests that finished in this process, in the order they finished."""
         if not self.loop.done:
             raise RuntimeError("the run has not finished: iterate it to the end first")
-        return [self._completion(r) for r in self.reqs]
+        return [self._completion(r) for r in (self.reqs if self.loop.moves is None else self.loop.finished)]
 
     def _completion(self, r: Request) -> Completion:
         new = r.new_tokens().tolist()
         logits = torch.stack(r.logits) if r.logits else None
         figures = (r.prompt_len, r.matched_total, r.computed_total, r.iterations, r.preemptions)
-        return Completion(r.index, new, self.engine.text(new, self.stop), r.finish, *figures, logits)
+        if r.moves == 0:  # the intervals between its tokens
+            tpot = (r.last_at - r.first_at) / (r.taken_here - 1) if r.taken_here > 1 else 0.0
+        else:  # taken over: from the adoption to its last token
+            tpot = (r.last_at - r.since) / r.taken_here if r.taken_here else 0.0
+        timing = (max(r.first_at - self.started_at, 0.0), tpot, r.moves, r.computed_here)
+        return Completion(r.index, new, self.engine.text(new, self.stop), r.finish, *figures, logits, *timing)
 
 
 class _Detokenizer:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import multiprocessing
 import os
@@ -71,7 +70,16 @@ def add_parser(sub: Any, name: str = "generate") -> None:
         default=None,
         help="a transformers model directory or a .gguf file (default: the bundled SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--workers", metavar="N", type=integer(1), default=2, help="engine processes (default: 2)")
+    p.add_argument("--workers", metavar="N", type=integer(1), default=None, help="engine processes (default: 2)")
+    p.add_argument(
+        "--disaggregate",
+        metavar="P:D",
+        type=_split,
+        default=None,
+        help="P prefill workers compute the prompts and hand each request off after its first token, with its "
+        "K/V in place (kvmem's hand-offs: nothing copied); D decode workers adopt and decode them. The report "
+        "gives each worker's time to first token and time per output token (instead of --workers)",
+    )
     p.add_argument(
         "--prompts",
         metavar="FILE.jsonl",
@@ -123,10 +131,21 @@ def add_parser(sub: Any, name: str = "generate") -> None:
         help="seconds between live lines (default: 1)",
     )
     p.add_argument("--corrupt-one-token", action="store_true", help=argparse.SUPPRESS)  # test hook: must fail
+    # test hook, W:N: worker W sends itself SIGTERM (a drain) once it has generated N tokens
+    p.add_argument("--drain-worker-after", type=lambda t: _split(f"{int(t.partition(':')[0]) + 1}:{t.partition(':')[2]}"),
+                   default=None, help=argparse.SUPPRESS)  # fmt: skip
     server = p.add_argument_group("the server")
     option(server, "--socket", DEFAULT_SOCKET, "unix socket of the server")
     option(server, "--tcp", None, "HOST:PORT of the server instead of the socket", address)
     option(server, "--auth-token", None, "bearer token for TCP")
+
+
+def _split(text: str) -> tuple[int, int]:
+    """``A:B``, two whole numbers (A >= 1 for --disaggregate's P)."""
+    a, colon, b = text.partition(":")
+    if not colon or not a.isdigit() or not b.isdigit() or int(a) < 1 or int(b) < 1:
+        raise argparse.ArgumentTypeError(f"expected P:D, two whole numbers of at least 1 (e.g. 1:1), got {text!r}")
+    return int(a), int(b)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,7 +205,8 @@ def _sizes(prompts: list[Any], args: argparse.Namespace) -> list[str]:
     """Pool options for the prompts: the longest fits the context; every request fits at once."""
     lens = [p.estimated_tokens() + args.max_new_tokens for p in prompts]
     max_context = PAGE_SIZE * math.ceil(max(512, max(lens)) / PAGE_SIZE)
-    pages = sum(math.ceil(n / PAGE_SIZE) for n in lens) + 2 * args.workers
+    workers = sum(args.disaggregate) if args.disaggregate else args.workers or 2
+    pages = sum(math.ceil(n / PAGE_SIZE) for n in lens) + 2 * workers
     num_pages = max(pages, 2 * max_context // PAGE_SIZE) + 1
     return [
         "--page-size", str(PAGE_SIZE), "--num-pages", str(num_pages), "--max-requests",
@@ -197,11 +217,27 @@ def _sizes(prompts: list[Any], args: argparse.Namespace) -> list[str]:
 def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info: IO[str]) -> int:
     from kvmem.client.admin import stats
 
+    from .generate_moves import Router
     from .generate_worker import GenerateConfig, worker_main
 
-    workers = min(args.workers, len(prompts))
-    if workers < args.workers:
-        print(f"{len(prompts)} prompts: {workers} workers", file=info)
+    if args.disaggregate is not None and args.workers is not None:
+        raise UsageError("give --workers or --disaggregate P:D, not both")
+    if args.disaggregate is not None and args.api != "client":
+        raise UsageError("--disaggregate hands requests off through kvmem's client: leave --api at client")
+    if args.disaggregate is not None:
+        p, d = args.disaggregate
+        p = min(p, len(prompts))
+        roles = ["prefill"] * p + ["decode"] * d
+        shares = [prompts[w::p] for w in range(p)] + [[] for _ in range(d)]
+    else:
+        wanted = args.workers or 2
+        n = min(wanted, len(prompts))
+        if n < wanted:
+            print(f"{len(prompts)} prompts: {n} workers", file=info)
+        roles, shares = ["mixed"] * n, [prompts[w::n] for w in range(n)]
+    workers = len(roles)
+    drain_w, drain_n = args.drain_worker_after or (0, 0)
+    drain_w -= 1  # parsed as W + 1
     run_id = secrets.token_hex(3)
     # the prefix cache's namespace: requests share cached K/V only with the same model's
     ident = f"{os.path.abspath(args.model)}:{os.stat(args.model).st_mtime_ns}" if args.model else "bundled-smollm2"
@@ -209,15 +245,17 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
     namespace = "kvmem-generate:" + hashlib.sha256(ident.encode()).hexdigest()[:16]
     configs = [
         GenerateConfig(
-            worker=w, target=target, auth_token=args.auth_token, model=args.model, prompts=prompts[w::workers],
+            worker=w, target=target, auth_token=args.auth_token, model=args.model, prompts=shares[w],
             max_new_tokens=args.max_new_tokens, token_budget=args.token_budget, max_running=args.max_running,
             check=not args.no_check, session=f"kvmem-generate-{run_id}-w{w}", namespace=namespace,
-            api=args.api, speculate=args.speculate, corrupt=args.corrupt_one_token and w == 0,
+            api=args.api, speculate=args.speculate, corrupt=args.corrupt_one_token and w == 0, role=roles[w],
+            drain_after=drain_n if w == drain_w else 0,
         )
         for w in range(workers)
     ]  # fmt: skip
+    split = f" ({roles.count('prefill')} prefill, {roles.count('decode')} decode)" if args.disaggregate else ""
     print(
-        f"kvmem generate: {len(prompts)} prompts on {workers} workers, {args.max_new_tokens} new tokens each, "
+        f"kvmem generate: {len(prompts)} prompts on {workers} workers{split}, {args.max_new_tokens} new tokens each, "
         f"against {target}; loading {args.model or 'the bundled SmolLM2-135M-Instruct'}...",
         file=info,
         flush=True,
@@ -225,7 +263,11 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
     ctx = multiprocessing.get_context("spawn")
     messages: Any = ctx.Queue()
     go, stop = ctx.Event(), ctx.Event()
-    procs = [ctx.Process(target=worker_main, args=(c, messages, go, stop), daemon=True) for c in configs]
+    router = Router(ctx, roles) if workers > 1 else None  # requests move between workers (drains, --disaggregate)
+    procs = [
+        ctx.Process(target=worker_main, args=(c, messages, go, stop, *_queues(router, c.worker)), daemon=True)
+        for c in configs
+    ]
     for proc in procs:
         proc.start()
     latest: dict[int, dict[str, Any]] = {}
@@ -241,6 +283,9 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
             except queue.Empty:
                 msg = {"kind": None}
             kind, w = msg["kind"], msg.get("worker", -1)
+            moved = router.handle(msg) if router is not None and kind is not None else None
+            if moved is not None:
+                errors.append(moved)
             if kind == "ready":
                 ready.add(w)
                 if len(ready) == workers:
@@ -257,6 +302,8 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
                 if i not in final and not proc.is_alive() and proc.exitcode is not None:
                     final[i] = {"kind": "error"}
                     errors.append(f"worker {i}: exited ({proc.exitcode}) without a report")
+                    if router is not None:
+                        router.gone(i)
             now = time.monotonic()
             if go.is_set() and now - last_line >= args.interval and len(final) < workers:
                 last_line = now
@@ -269,7 +316,14 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
                 proc.terminate()
                 proc.join(timeout=5)
     pool = stats(target, auth_token=args.auth_token, timeout=5)
-    return _report(args, prompts, final, errors, pool, time.monotonic() - started, info)
+    from .generate_report import report
+
+    return report(args, prompts, final, errors, pool, time.monotonic() - started, info, configs)
+
+
+def _queues(router: Any, w: int) -> tuple[Any, Any]:
+    """Worker ``w``'s inbox and ack queue (None, None: nothing moves)."""
+    return (None, None) if router is None else (router.inbox_of(w), router.acks[w])
 
 
 def _live(
@@ -304,88 +358,3 @@ def _live(
         shown[c.worker] = line
         pool = f"pool used {s.num_used_pages} cached {s.num_cached_pages} free {s.num_free_pages}"
         print(f"{line}  | {pool}", file=info, flush=True)
-
-
-def _first_difference(got: list[int], want: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-
-
-def _report(
-    args: argparse.Namespace,
-    prompts: list[Any],
-    final: dict[int, dict[str, Any]],
-    errors: list[str],
-    pool: Any,
-    elapsed: float,
-    info: IO[str],
-) -> int:
-    done = [m for _, m in sorted(final.items()) if m.get("kind") == "done"]
-    completions = sorted((c for m in done for c in m["completions"]), key=lambda c: c["index"])
-    mismatches: list[str] = []
-    for m in done:
-        for c, want in zip(m["completions"], m["references"] or [], strict=True):
-            c["reference_token_ids"] = want
-            c["matches_generate"] = c["token_ids"] == want
-            if c["token_ids"] != want:
-                i = _first_difference(c["token_ids"], want)
-                got_t = c["token_ids"][i] if i < len(c["token_ids"]) else "(end)"
-                want_t = want[i] if i < len(want) else "(end)"
-                mismatches.append(
-                    f"prompt {c['index']} ({c['prompt']!r}): new token {i} is {got_t}, the model's generate() "
-                    f"gives {want_t}"
-                )
-    workers = [
-        {
-            "worker": w,
-            "generated_tokens": m.get("generated", 0),
-            "computed_tokens": m.get("computed", 0),
-            "seconds": round(m.get("elapsed_s", 0.0), 3),
-            "tokens_per_s": round(m["generated"] / m["elapsed_s"], 2) if m.get("elapsed_s") else 0.0,
-            "prompt_tokens": sum(c["prompt_tokens"] for c in m["completions"]),
-            "matched_tokens": sum(c["matched_tokens"] for c in m["completions"]),
-            "figures": m["figures"],
-        }
-        for w, m in sorted(final.items())
-        if m.get("kind") == "done"
-    ]
-    prompt_tokens = sum(w["prompt_tokens"] for w in workers)
-    matched = sum(w["matched_tokens"] for w in workers)
-    checked = not args.no_check and not errors
-    result: dict[str, Any] = {
-        "ok": not errors and not mismatches,
-        "checked": checked,
-        "completions": completions,
-        "workers": workers,
-        "prefix_hit_rate": round(matched / prompt_tokens, 4) if prompt_tokens else 0.0,
-        "seconds": round(elapsed, 3),
-        "pool": {
-            "used": int(pool.num_used_pages), "cached": int(pool.num_cached_pages), "free": int(pool.num_free_pages),
-            "total": int(pool.num_pages_total),
-        },
-        "mismatches": mismatches,
-        "errors": errors,
-    }  # fmt: skip
-    if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        for c in completions:
-            shown = repr(c["text"]) if c["text"] is not None else f"token ids {c['token_ids']}"
-            print(f"[{c['index']}] {c['prompt']}\n    -> {shown}")
-        for w in workers:
-            print(
-                f"w{w['worker']}: {w['generated_tokens']} tokens in {w['seconds']:.1f} s, {w['tokens_per_s']:.1f} "
-                f"tokens/s; prefix hit {w['matched_tokens']}/{w['prompt_tokens']} prompt tokens"
-            )
-        p = result["pool"]
-        print(
-            f"prefix hit rate {result['prefix_hit_rate']:.0%}; pool {p['used']} used, {p['cached']} cached, "
-            f"{p['free']} free of {p['total']} pages"
-        )
-        if checked and not mismatches:
-            print(f"check: all {len(completions)} greedy completions equal the model's own generate()")
-    for line in mismatches:
-        print(f"MISMATCH: {line}", file=sys.stderr)
-    for line in errors:
-        print(f"ERROR: {line}", file=sys.stderr)
-    return 0 if result["ok"] else 1

@@ -236,13 +236,18 @@ class GenerateConfig:
     api: str = "client"
     speculate: int = 0
     corrupt: bool = False  # test hook: the first completion's last token is reported off by one
+    role: str = "mixed"  # mixed, prefill or decode (see .generate_moves)
+    drain_after: int = 0  # test hook: SIGTERM itself once it has generated this many tokens (0: never)
 
 
-def worker_main(config: GenerateConfig, messages: Messages, go: Flag, stop: Flag) -> None:
-    """A worker process's entry (see the module's docstring)."""
+def worker_main(
+    config: GenerateConfig, messages: Messages, go: Flag, stop: Flag, inbox: Any = None, acks: Any = None
+) -> None:
+    """A worker process's entry (see the module's docstring); ``inbox`` and ``acks``: its
+    queues of the hand-off protocol (:mod:`.generate_moves`; None: it moves nothing)."""
     w = config.worker
     try:
-        _work(config, messages, go)
+        _work(config, messages, go, inbox, acks)
     except Exception as err:
         from kvmem.client.errors import KVMemError
 
@@ -255,11 +260,14 @@ def worker_main(config: GenerateConfig, messages: Messages, go: Flag, stop: Flag
         messages.put({"kind": "error", "worker": w, "message": message})
 
 
-def _work(config: GenerateConfig, messages: Messages, go: Flag) -> None:
+def _work(config: GenerateConfig, messages: Messages, go: Flag, inbox: Any, acks: Any) -> None:
+    import signal
+
     import torch
 
     from .attention import ATTENTION
     from .generate import Delta, Engine
+    from .generate_moves import WorkerMoves
 
     w = config.worker
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
@@ -286,6 +294,13 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag) -> None:
     def took(delta: Delta) -> None:  # the tokens kept (a rejected draft is computed, not generated)
         counts["generated"] += len(delta.token_ids)
         counts["finished"] += delta.finish_reason is not None
+        if config.drain_after and counts["generated"] >= config.drain_after and not counts.get("drained"):
+            counts["drained"] = 1
+            os.kill(os.getpid(), signal.SIGTERM)  # the real signal: the handler drains
+
+    moves = None
+    if inbox is not None or acks is not None:
+        moves = WorkerMoves(w, config.role, messages, inbox, acks, config.max_new_tokens)
 
     with Engine(
         model, config.target, tokenizer=tokenizer, name=config.session, cache_namespace=config.namespace,
@@ -298,21 +313,31 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag) -> None:
         try:
             out = engine.generate(
                 ids, max_new_tokens=config.max_new_tokens, stop_token_ids=stops, token_budget=config.token_budget,
-                speculate=config.speculate, on_delta=took,
+                speculate=config.speculate, on_delta=took, moves=None if moves is None else moves.moves,
+                started_at=started, indices=[p.index for p in config.prompts],
             )  # fmt: skip
+            if moves is not None:
+                moves.finish()  # its tickets adopted before its session ends
         finally:
             hook.remove()
         elapsed = time.monotonic() - started
         figures = dataclasses.asdict(engine.figures)
+        if moves is not None:
+            figures.update(handed_off=moves.moves.num_given, adopted=moves.moves.num_adopted,
+                           drained=moves.moves.draining)  # fmt: skip
     references = None
     if config.check:
         messages.put({"kind": "checking", "worker": w, **counts, "elapsed_s": elapsed})
         model.set_attn_implementation(attention if attention != ATTENTION else "sdpa")
         references = [_reference(model, p, config.max_new_tokens, stops) for p in ids]
-    completions = [
-        {**dataclasses.asdict(c), "index": p.index, "prompt": p.describe()}
-        for c, p in zip(out, config.prompts, strict=True)
-    ]
+    described = {p.index: p.describe() for p in config.prompts}
+    if moves is None:
+        completions = [{**dataclasses.asdict(c), "index": p.index} for c, p in zip(out, config.prompts, strict=True)]
+    else:  # the requests that finished here (theirs or adopted), by their indices among all prompts
+        completions = [dataclasses.asdict(c) for c in out]
+    for c in completions:
+        c.pop("logits", None)
+        c["prompt"] = described.get(c["index"], "")
     if config.corrupt:
         ids_out = completions[0]["token_ids"]
         ids_out[-1] = (ids_out[-1] + 1) % int(model.config.vocab_size)

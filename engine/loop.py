@@ -49,6 +49,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -56,6 +57,9 @@ import torch
 from .backend import NOT_OPENED, OK, OUT_OF_PAGES, Backend, Outcome, Plan
 from .hf_model import TransformersModel
 from .model import Admission, BatchBuilder
+
+if TYPE_CHECKING:
+    from .handoff import Moves
 
 __all__ = ["MAX_PREEMPTIONS", "Loop", "Request", "RunFigures", "propose_drafts"]
 
@@ -80,6 +84,7 @@ class RunFigures:
     drafts_kept: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
+    first_token_s: list[float] = dataclasses.field(default_factory=list)  # per first token sampled here
 
 
 class Request:
@@ -90,17 +95,24 @@ class Request:
         "alloced",
         "cached_pages",
         "computed",
+        "computed_here",
         "computed_total",
         "drafts",
         "finish",
+        "first_at",
         "index",
         "iterations",
         "known",
+        "last_at",
         "logits",
         "matched_total",
+        "moves",
         "preemptions",
         "prompt_len",
+        "since",
         "slot",
+        "taken_here",
+        "ticket",
         "tokens",
         "truncate_to",
     )
@@ -116,6 +128,12 @@ class Request:
         self.truncate_to = -1
         self.finish = ""
         self.logits: list[torch.Tensor] = []
+        # Timing (monotonic seconds) and moves: the first token's time (whichever process
+        # sampled it), when this process took the request (admission or adoption), its
+        # last token; tokens taken and computed here; hand-offs it went through.
+        self.first_at = self.last_at = self.since = 0.0
+        self.taken_here = self.computed_here = self.moves = 0
+        self.ticket = ""
 
     @property
     def rid(self) -> str:
@@ -156,6 +174,7 @@ class Loop:
         speculate: int = 0,
         stop_check: Callable[[Request], bool] | None = None,
         keep_logits: bool = False,
+        moves: Moves | None = None,
     ) -> None:
         self.backend = backend
         self.model = model
@@ -174,10 +193,14 @@ class Loop:
         self.pressure = False
         self.it = 0
         self.figures = RunFigures()
+        self.moves = moves  # hand-offs and adoptions (see .handoff)
+        self.finished: list[Request] = []  # in the order they finished here
+        self.started_at = time.monotonic()  # the run's start, for the first tokens' times
 
     @property
     def done(self) -> bool:
-        return not (self.waiting or self.running or self.leaving)
+        busy = self.waiting or self.running or self.leaving
+        return not busy and (self.moves is None or not self.moves.expecting())
 
     def abandon(self) -> None:
         """After a failure: release every request this run holds (no tokens cached)."""
@@ -203,17 +226,21 @@ class Loop:
             r.truncate_to = -1
         self.waiting.extendleft(reversed(self.requeue))
         self.leaving, self.requeue = [], []
+        moves = self.moves
+        if moves is not None:
+            self._moves(plan, moves)
         for r in self.running:
             if r.truncate_to >= 0:  # rejected drafts: their K/V goes
                 plan.truncate_slots.append(r.slot)
                 plan.truncate_lens.append(r.truncate_to)
                 r.alloced, r.truncate_to = r.truncate_to, -1
-            if r.computed <= r.prompt_len and r.computed // self.ps > r.cached_pages:  # newly full prompt pages
+            fresh = r.ticket and r.admitted == self.it  # adopted in this Step: its cache items after it
+            if r.computed <= r.prompt_len and r.computed // self.ps > r.cached_pages and not fresh:  # new full pages
                 plan.cache.append((r.slot, r.tokens[: r.computed]))
                 r.cached_pages = r.computed // self.ps
         items = self._allocs()  # (request, need)
         admitting = self._admit(items)
-        if not (items or plan.release_slots):
+        if not (items or plan.release_slots or plan.handoff_slots):
             if self.waiting:  # every request slot is another session's: a moment
                 time.sleep(0.001)
             self.pressure = False
@@ -225,6 +252,8 @@ class Loop:
         plan.match = [(r.slot, r.tokens[: r.known], r.known - 1) for r in admitting]
         started = time.perf_counter()
         res = self.backend.step(plan)
+        if moves is not None:
+            moves.stepped(res.tickets)
         f.step_seconds += time.perf_counter() - started
         f.iterations += 1
         self.it += 1
@@ -233,6 +262,27 @@ class Loop:
             r.cached_pages = m // self.ps
             r.matched_total += m
         return self._forward(items, res, released, admitting)
+
+    def _moves(self, plan: Plan, moves: Moves) -> None:
+        """Hand-offs (a drain gives everything) and adoptions into ``plan``: the adopted
+        requests run from now on (their allocs go in the same Step)."""
+        if moves.draining and (self.running or self.waiting):
+            moves.drain(self.running, list(self.waiting))
+            self.waiting.clear()
+        plan.handoff_slots, plan.handoff_states, truncates = moves.plan_giving()
+        for slot, n in truncates:
+            plan.truncate_slots.append(slot)
+            plan.truncate_lens.append(n)
+        if moves.draining:
+            return
+        idle = not (self.running or self.waiting or self.leaving or plan.handoff_slots)
+        adopted, prompts = moves.take(self.max_running - len(self.running), idle)
+        now = time.monotonic()
+        for r in adopted:
+            plan.adopt.append((r.ticket, r.rid))
+            r.since, r.admitted = now, self.it
+            self.running.append(r)
+        self.waiting.extend(prompts)
 
     def _allocs(self) -> list[tuple[Request, int]]:
         """Decodes (with their drafts), then prefill chunks, within the budget."""
@@ -274,8 +324,9 @@ class Loop:
             self.figures.no_free_slot += 1
             return []
         budget = self.budget - sum(n for _, n in items)
+        now = time.monotonic()
         for r, slot in zip(new, slots, strict=True):
-            r.slot, r.admitted, r.drafts = slot, self.it, 0
+            r.slot, r.admitted, r.drafts, r.since = slot, self.it, 0, now
             need = min(r.known, max(budget, 1))
             budget -= need
             items.append((r, need))
@@ -325,8 +376,10 @@ class Loop:
         f.mixed_forwards += int(decodes > 0 and prefills > 0)
         took: list[tuple[Request, int]] = []
         k = 0
+        now = time.monotonic()
         for r, got, samples in computing:
             r.computed_total += got
+            r.computed_here += got
             r.iterations += 1
             if not samples:
                 r.computed += got
@@ -334,6 +387,15 @@ class Loop:
             taken = self._take(r, out[k : k + samples], k)
             k += samples
             took.append((r, taken))
+            if not r.first_at:
+                r.first_at = now
+                f.first_token_s.append(now - self.started_at)
+            r.last_at, r.taken_here = now, r.taken_here + taken
+            if r.finish:
+                self.finished.append(r)
+            elif self.moves is not None and self.moves.give_after_first and r.known - r.prompt_len == 1:
+                self.running.remove(r)  # its first token: on to a decode worker, from the next Step
+                self.moves.giving.append(r)
         f.out_of_pages += oom
         if oom:
             self.pressure = True

@@ -112,8 +112,14 @@ class KVMemBackend:
             alloc_slots=plan.alloc_slots,
             alloc_needs=plan.alloc_needs,
             alloc_expected_lens=plan.alloc_expected if plan.alloc_slots else None,
+            handoff=plan.handoff_slots or None,
+            handoff_states=plan.handoff_states or None,
+            adopt=plan.adopt or None,
         )
-        return Outcome(r.status.numpy(), r.kv_loc.numpy(), r.kv_loc_offsets.numpy(), r.match_lens.numpy())
+        out = Outcome(r.status.numpy(), r.kv_loc.numpy(), r.kv_loc_offsets.numpy(), r.match_lens.numpy())
+        if plan.handoff_slots:
+            out.tickets = r.tickets
+        return out
 
 
 def progress(sched: Scheduler, elapsed_s: float, kind: str = "progress", **extra: Any) -> dict[str, Any]:

@@ -126,10 +126,11 @@ def test_print_serve_flags_start_a_server_that_generate_runs_on(
     assert run.returncode == 0, run.stderr[-4000:]
     assert "starting one" not in run.stdout
     assert "check: all 6 greedy completions equal the model's own generate()" in run.stdout
-    assert "w0: 12 tokens in" in run.stdout and "w1: 12 tokens in" in run.stdout
+    assert "w0 mixed: 12 tokens in" in run.stdout and "w1 mixed: 12 tokens in" in run.stdout
+    assert "TTFT p50" in run.stdout and "TPOT p50" in run.stdout
     assert "prefix hit rate" in run.stdout and "pool 0 used" in run.stdout
     # one request at a time: prompt 2 (w0's second) starts with the page prompt 0 released into the cache
-    hits = re.search(r"^w0: .* prefix hit (\d+)/(\d+) prompt tokens$", run.stdout, re.M)
+    hits = re.search(r"^w0 mixed: .* prefix hit (\d+)/(\d+) prompt tokens;", run.stdout, re.M)
     assert hits is not None and int(hits[1]) >= 16, run.stdout
 
 
@@ -188,3 +189,54 @@ def test_generate_help_loads_no_torch_or_transformers() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "[]", run.stdout
+
+
+def moved_and_whole(result: dict, n_prompts: int) -> list[dict]:
+    """Every prompt completed and equal to generate(); the completions that moved."""
+    assert (result["ok"], result["checked"], result["mismatches"], result["errors"]) == (True, True, [], [])
+    assert [c["index"] for c in result["completions"]] == list(range(n_prompts))
+    for c in result["completions"]:
+        assert c["matches_generate"] and c["token_ids"] == c["reference_token_ids"], c
+    moved = [c for c in result["completions"] if c["moves"]]
+    for c in moved:  # the adopter computed its decodes only: the prompt's K/V came in place
+        assert c["computed_here"] <= len(c["token_ids"]) < c["prompt_tokens"], c
+    return moved
+
+
+def test_disaggregated_prefill_and_decode_workers_give_the_same_tokens(
+    model_dir: pathlib.Path, prompts_file: pathlib.Path, absent_socket: str
+) -> None:
+    """``--disaggregate 1:1``: the prefill worker hands every request off after its first
+    token, the decode worker adopts and finishes each; the report times both."""
+    run = generate(
+        "--model", model_dir, "--disaggregate", "1:1", "--prompts", prompts_file, "--max-new-tokens",
+        str(NEW_TOKENS), "--socket", absent_socket, "--json",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "6 prompts on 2 workers (1 prefill, 1 decode)" in run.stderr
+    result = json.loads(run.stdout)
+    moved = moved_and_whole(result, len(PROMPTS))
+    assert len(moved) == len(PROMPTS) and all(c["moves"] == 1 for c in moved)
+    prefill, decode = result["workers"]
+    assert (prefill["role"], prefill["handed_off"], prefill["time_to_first_token_ms"]["n"]) == ("prefill", 6, 6)
+    assert (decode["role"], decode["adopted"], decode["time_per_output_token_ms"]["n"]) == ("decode", 6, 6)
+    assert decode["time_per_output_token_ms"]["p50"] > 0 and prefill["generated_tokens"] == 6
+    assert result["pool"]["used"] == 0
+
+
+def test_a_worker_told_to_stop_hands_its_running_requests_to_its_peer(
+    model_dir: pathlib.Path, prompts_file: pathlib.Path, absent_socket: str
+) -> None:
+    """Worker 0 gets SIGTERM (the test hook sends it itself, after 2 tokens): it hands
+    its 3 running requests to worker 1, which finishes them without computing their
+    prompts again, and exits; every completion equals the undisturbed one."""
+    run = generate(
+        "--model", model_dir, "--workers", "2", "--prompts", prompts_file, "--max-new-tokens", str(NEW_TOKENS),
+        "--socket", absent_socket, "--json", "--drain-worker-after", "0:2",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout)
+    moved = moved_and_whole(result, len(PROMPTS))
+    w0, w1 = result["workers"]
+    assert (w0["drained"], w0["handed_off"], w1["adopted"], w1["drained"]) == (True, 3, 3, False)
+    assert sorted(c["index"] for c in moved) == [0, 2, 4]  # worker 0's share

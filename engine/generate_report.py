@@ -1,0 +1,130 @@
+"""``kvmem generate``'s report: each completion checked against its prompt's reference
+(the model's own ``generate()``, computed by the worker that had the prompt), the
+workers' figures (tokens, prefix hits, time to first token and time per output token,
+requests handed off and adopted), the pool; as text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import IO, Any
+
+__all__ = ["report"]
+
+
+def _summary(seconds: list[float]) -> dict[str, float]:
+    """Median and mean in milliseconds, and how many."""
+    if not seconds:
+        return {"p50": 0.0, "mean": 0.0, "n": 0}
+    ordered = sorted(seconds)
+    return {"p50": round(ordered[len(ordered) // 2] * 1000, 3), "mean": round(sum(ordered) / len(ordered) * 1000, 3),
+            "n": len(ordered)}  # fmt: skip
+
+
+def _first_difference(got: list[int], want: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+
+
+def report(
+    args: argparse.Namespace,
+    prompts: list[Any],
+    final: dict[int, dict[str, Any]],
+    errors: list[str],
+    pool: Any,
+    elapsed: float,
+    info: IO[str],
+    configs: list[Any],
+) -> int:
+    done = [m for _, m in sorted(final.items()) if m.get("kind") == "done"]
+    completions = sorted((c for m in done for c in m["completions"]), key=lambda c: c["index"])
+    refs: dict[int, list[int]] = {}  # each worker computed its own prompts' references
+    for w, m in final.items():
+        if m.get("kind") == "done" and m.get("references") is not None:
+            refs.update(zip((p.index for p in configs[w].prompts), m["references"], strict=True))
+    mismatches: list[str] = []
+    missing = sorted(set(range(len(prompts))) - {c["index"] for c in completions})
+    if missing and not errors:
+        errors.append(f"prompts {missing} were not completed by any worker")
+    for c in completions:
+        c["prompt"] = c.get("prompt") or prompts[c["index"]].describe()
+        want = refs.get(c["index"])
+        if want is not None:
+            c["reference_token_ids"] = want
+            c["matches_generate"] = c["token_ids"] == want
+            if c["token_ids"] != want:
+                i = _first_difference(c["token_ids"], want)
+                got_t = c["token_ids"][i] if i < len(c["token_ids"]) else "(end)"
+                want_t = want[i] if i < len(want) else "(end)"
+                mismatches.append(
+                    f"prompt {c['index']} ({c['prompt']!r}): new token {i} is {got_t}, the model's generate() "
+                    f"gives {want_t}"
+                )
+    workers = [
+        {
+            "worker": w,
+            "generated_tokens": m.get("generated", 0),
+            "computed_tokens": m.get("computed", 0),
+            "seconds": round(m.get("elapsed_s", 0.0), 3),
+            "tokens_per_s": round(m["generated"] / m["elapsed_s"], 2) if m.get("elapsed_s") else 0.0,
+            "prompt_tokens": sum(c["prompt_tokens"] for c in m["completions"]),
+            "matched_tokens": sum(c["matched_tokens"] for c in m["completions"]),
+            "role": configs[w].role,
+            "time_to_first_token_ms": _summary(m["figures"].get("first_token_s", [])),
+            "time_per_output_token_ms": _summary([c["tpot_s"] for c in m["completions"] if c["tpot_s"] > 0]),
+            "handed_off": m["figures"].get("handed_off", 0),
+            "adopted": m["figures"].get("adopted", 0),
+            "drained": bool(m["figures"].get("drained", False)),
+            "figures": m["figures"],
+        }
+        for w, m in sorted(final.items())
+        if m.get("kind") == "done"
+    ]
+    prompt_tokens = sum(w["prompt_tokens"] for w in workers)
+    matched = sum(w["matched_tokens"] for w in workers)
+    checked = not args.no_check and not errors
+    result: dict[str, Any] = {
+        "ok": not errors and not mismatches,
+        "checked": checked,
+        "completions": completions,
+        "workers": workers,
+        "prefix_hit_rate": round(matched / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "seconds": round(elapsed, 3),
+        "pool": {
+            "used": int(pool.num_used_pages), "cached": int(pool.num_cached_pages), "free": int(pool.num_free_pages),
+            "total": int(pool.num_pages_total),
+        },
+        "mismatches": mismatches,
+        "errors": errors,
+    }  # fmt: skip
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for c in completions:
+            shown = repr(c["text"]) if c["text"] is not None else f"token ids {c['token_ids']}"
+            print(f"[{c['index']}] {c['prompt']}\n    -> {shown}")
+        for row in workers:
+            ttft, tpot = row["time_to_first_token_ms"], row["time_per_output_token_ms"]
+            timing = f"; TTFT p50 {ttft['p50']:.0f} ms" if ttft["n"] else ""
+            timing += f"; TPOT p50 {tpot['p50']:.1f} ms" if tpot["n"] else ""
+            moved = f"; handed off {row['handed_off']}" if row["handed_off"] else ""
+            moved += f"; adopted {row['adopted']}" if row["adopted"] else ""
+            moved += " (drained)" if row["drained"] else ""
+            print(
+                f"w{row['worker']} {row['role']}: {row['generated_tokens']} tokens in {row['seconds']:.1f} s, "
+                f"{row['tokens_per_s']:.1f} tokens/s; prefix hit {row['matched_tokens']}/{row['prompt_tokens']} prompt "
+                f"tokens{timing}{moved}"
+            )
+        p = result["pool"]
+        print(
+            f"prefix hit rate {result['prefix_hit_rate']:.0%}; pool {p['used']} used, {p['cached']} cached, "
+            f"{p['free']} free of {p['total']} pages"
+        )
+        if checked and not mismatches:
+            print(f"check: all {len(completions)} greedy completions equal the model's own generate()")
+    for line in mismatches:
+        print(f"MISMATCH: {line}", file=sys.stderr)
+    for line in errors:
+        print(f"ERROR: {line}", file=sys.stderr)
+    return 0 if result["ok"] else 1
