@@ -132,8 +132,7 @@ def add_parser(sub: Any, name: str = "generate") -> None:
     )
     p.add_argument("--corrupt-one-token", action="store_true", help=argparse.SUPPRESS)  # test hook: must fail
     # test hook, W:N: worker W sends itself SIGTERM (a drain) once it has generated N tokens
-    p.add_argument("--drain-worker-after", type=lambda t: _split(f"{int(t.partition(':')[0]) + 1}:{t.partition(':')[2]}"),
-                   default=None, help=argparse.SUPPRESS)  # fmt: skip
+    p.add_argument("--drain-worker-after", type=_worker_after, default=None, help=argparse.SUPPRESS)
     server = p.add_argument_group("the server")
     option(server, "--socket", DEFAULT_SOCKET, "unix socket of the server")
     option(server, "--tcp", None, "HOST:PORT of the server instead of the socket", address)
@@ -146,6 +145,14 @@ def _split(text: str) -> tuple[int, int]:
     if not colon or not a.isdigit() or not b.isdigit() or int(a) < 1 or int(b) < 1:
         raise argparse.ArgumentTypeError(f"expected P:D, two whole numbers of at least 1 (e.g. 1:1), got {text!r}")
     return int(a), int(b)
+
+
+def _worker_after(text: str) -> tuple[int, int]:
+    """``W:N``: a worker (from 0) and a token count (from 1)."""
+    w, colon, n = text.partition(":")
+    if not colon or not w.isdigit() or not n.isdigit() or int(n) < 1:
+        raise argparse.ArgumentTypeError(f"expected W:N (worker, tokens), got {text!r}")
+    return int(w), int(n)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,8 +243,7 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
             print(f"{len(prompts)} prompts: {n} workers", file=info)
         roles, shares = ["mixed"] * n, [prompts[w::n] for w in range(n)]
     workers = len(roles)
-    drain_w, drain_n = args.drain_worker_after or (0, 0)
-    drain_w -= 1  # parsed as W + 1
+    drain_w, drain_n = args.drain_worker_after or (-1, 0)
     run_id = secrets.token_hex(3)
     # the prefix cache's namespace: requests share cached K/V only with the same model's
     ident = f"{os.path.abspath(args.model)}:{os.stat(args.model).st_mtime_ns}" if args.model else "bundled-smollm2"
