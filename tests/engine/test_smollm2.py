@@ -242,3 +242,89 @@ def test_a_gguf_is_dequantised_once_into_the_cache_and_never_left_half_written(
     assert first.name.startswith("Tiny.Q4_1-") and (first / "model.safetensors").read_bytes() == b"weights"
     os.utime(gguf, ns=(0, 0))  # another file at the same path: another cache
     assert models._dequantised(gguf, fake) != first and fake.loads == 4
+
+
+# Two engine processes moving one request: the giver computes the prompt and its first
+# token and hands it off (printing the ticket and state, then waiting for a line before it
+# ends its session); the taker adopts it, decodes on, and saves its tokens' logits.
+GIVER = textwrap.dedent(
+    """
+    import json, sys
+    from kvmem.engine import models
+    from kvmem.engine.generate import Engine
+    from kvmem.engine.handoff import Moves
+
+    target, prompt, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    model, tokenizer = models.load()
+    given = []
+    with Engine(model, target, tokenizer=tokenizer, name="giver", cache_namespace="moved") as engine:
+        moves = Moves(give_after_first=True, on_given=given.extend, max_new_tokens=n)
+        assert engine.generate([prompt], max_new_tokens=n, moves=moves, token_budget=128) == []
+        ((ticket, state),) = given
+        print(json.dumps({"ticket": ticket, "state": state.hex()}), flush=True)
+        sys.stdin.readline()
+    """
+)
+TAKER = textwrap.dedent(
+    """
+    import dataclasses, json, sys, torch
+    from kvmem.engine import models
+    from kvmem.engine.generate import Engine
+    from kvmem.engine.handoff import Moves
+
+    target, ticket, state, n, out = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    model, tokenizer = models.load()
+    inbox = [(ticket, state)]
+    with Engine(model, target, tokenizer=tokenizer, name="taker", cache_namespace="moved") as engine:
+        moves = Moves(inbox=lambda free, idle: [inbox.pop()] if inbox else [], more=lambda: bool(inbox),
+                      max_new_tokens=n)
+        (c,) = engine.generate([], max_new_tokens=n, moves=moves, keep_logits=True, token_budget=128)
+    torch.save(c.logits, out)
+    print(json.dumps({k: v for k, v in dataclasses.asdict(c).items() if k != "logits"}))
+    """
+)
+
+
+@needs_smollm2
+def test_a_request_handed_to_another_process_decodes_on_with_the_same_logits(
+    loaded: tuple[Any, Any], prompts: list[list[int]], pool: ServerProcess, tmp_path: pathlib.Path
+) -> None:
+    """SmolLM2: process A computes a prompt and its first token and hands the request
+    off; process B adopts it (the K/V in place: B computes no prompt token) and decodes
+    on; B's next-token logits equal, bit for bit, those of one process doing it all."""
+    model, tokenizer = loaded
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    prompt = prompts[0]
+    model.set_attn_implementation("sdpa")  # an earlier test's Engine switched it to kvmem's
+    want = reference(model, prompt)
+    giver = subprocess.Popen([sys.executable, "-c", GIVER, pool.target, json.dumps(prompt), str(NEW_TOKENS)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        line = giver.stdout.readline() if giver.stdout is not None else ""
+        assert line, giver.communicate(timeout=60)[1][-4000:]
+        handed = json.loads(line)
+        out = tmp_path / "logits.pt"
+        taker = subprocess.run(
+            [sys.executable, "-c", TAKER, pool.target, handed["ticket"], handed["state"], str(NEW_TOKENS), str(out)],
+            capture_output=True, text=True, env=env, timeout=180,
+        )  # fmt: skip
+        assert taker.returncode == 0, taker.stderr[-4000:]
+        giver.communicate("adopted\n", timeout=60)
+        assert giver.returncode == 0
+    finally:
+        if giver.poll() is None:
+            giver.kill()
+            giver.wait()
+    moved = json.loads(taker.stdout.strip().splitlines()[-1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the two processes: another thread count sums the matmuls in another order
+    try:
+        with Engine(model, pool.target, tokenizer=tokenizer, name="single", cache_namespace="single") as engine:
+            (single,) = engine.generate([prompt], max_new_tokens=NEW_TOKENS, keep_logits=True, token_budget=128)
+    finally:
+        torch.set_num_threads(threads)
+    assert moved["token_ids"] == single.token_ids == want, (moved, single)
+    assert moved["moves"] == 1 and moved["computed_here"] == len(single.token_ids) - 1, moved
+    logits = torch.load(out)
+    assert single.logits is not None and logits.shape == single.logits[1:].shape
+    assert torch.equal(logits, single.logits[1:]), (logits - single.logits[1:]).abs().max()
