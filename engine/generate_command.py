@@ -268,10 +268,10 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
     )
     ctx = multiprocessing.get_context("spawn")
     messages: Any = ctx.Queue()
-    go, stop = ctx.Event(), ctx.Event()
+    go, check = ctx.Event(), ctx.Event()  # check: every worker generated (see worker_main)
     router = Router(ctx, roles) if workers > 1 else None  # requests move between workers (drains, --disaggregate)
     procs = [
-        ctx.Process(target=worker_main, args=(c, messages, go, stop, *_queues(router, c.worker)), daemon=True)
+        ctx.Process(target=worker_main, args=(c, messages, go, check, *_queues(router, c.worker)), daemon=True)
         for c in configs
     ]
     for proc in procs:
@@ -279,6 +279,7 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
     latest: dict[int, dict[str, Any]] = {}
     final: dict[int, dict[str, Any]] = {}
     ready: set[int] = set()
+    checking: set[int] = set()
     errors: list[str] = []
     started = last_line = time.monotonic()
     shown: dict[int, str] = {}  # the last line shown per worker: an unchanged one is not repeated
@@ -299,11 +300,15 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
                     go.set()
             elif kind in ("progress", "checking"):
                 latest[w] = msg
+                if kind == "checking":
+                    checking.add(w)
             elif kind in ("done", "error"):
                 final[w] = latest[w] = msg
                 if kind == "error":
                     errors.append(f"worker {w}: {msg['message']}")
                     go.set()
+            if len(checking | set(final)) == workers:
+                check.set()
             for i, proc in enumerate(procs):
                 if i not in final and not proc.is_alive() and proc.exitcode is not None:
                     final[i] = {"kind": "error"}
@@ -316,6 +321,7 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
                 _live(info, stats, target, args.auth_token, configs, latest, shown)
     finally:
         go.set()
+        check.set()
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():

@@ -91,7 +91,6 @@ class WorkerMoves:
     def finish(self) -> None:
         """The loop is done: say so, hand back what the inbox still holds (a drained
         worker's), and wait until every ticket given is adopted."""
-        self.messages.put({"kind": "idle", "worker": self.worker})
         if self._inbox is not None and self.moves.draining:
             left = []
             while not self.closed:
@@ -103,6 +102,7 @@ class WorkerMoves:
                     break
                 left.append(item)
             self.messages.put({"kind": "returned", "worker": self.worker, "items": left})
+        self.messages.put({"kind": "idle", "worker": self.worker})  # after its last hand-off: it gives no more
         deadline = time.monotonic() + ACK_WAIT_S
         while self.outstanding and time.monotonic() < deadline:
             try:
@@ -152,17 +152,34 @@ class Router:
                     self.acks[giver].put(ticket)
         elif kind == "idle":
             self.idle.add(w)
-        elif kind == "draining":
+        elif kind == "draining":  # it hands off from now on; its next idle is its last (see WorkerMoves.finish)
             self.draining.add(w)
+            self.idle.discard(w)
         elif kind in ("done", "error"):
             self.done.add(w)
+            error = self._reclaim(w) or error
         self._maybe_close()
         return error
 
     def gone(self, w: int) -> None:
         """Worker ``w`` exited without a report."""
         self.done.add(w)
+        self._reclaim(w)
         self._maybe_close()
+
+    def _reclaim(self, w: int) -> str | None:
+        """Items still in a finished worker's inbox (routed as it drained): to another."""
+        error = None
+        inbox = self.inboxes.get(w)
+        while inbox is not None and self.inflight[w] > 0:
+            try:
+                item = inbox.get(timeout=1.0)
+            except queue.Empty:
+                return f"worker {w} ended with {self.inflight[w]} hand-off(s) routed to it not taken"
+            if item is not None:
+                self.inflight[w] -= 1
+                error = self._route(item, avoid=w) or error
+        return error
 
     def _route(self, item: tuple[str, bytes], avoid: int) -> str | None:
         targets = [t for t in self.inboxes if t != avoid and t not in self.draining and t not in self.done]
@@ -177,7 +194,7 @@ class Router:
     def _maybe_close(self) -> None:
         if self.closed:
             return
-        settled = all(w in self.done or (w in self.idle and w not in self.draining) for w in range(len(self.roles)))
+        settled = all(w in self.done or w in self.idle for w in range(len(self.roles)))
         if settled and not any(self.inflight.values()):
             self.closed = True
             for q in self.inboxes.values():

@@ -241,13 +241,15 @@ class GenerateConfig:
 
 
 def worker_main(
-    config: GenerateConfig, messages: Messages, go: Flag, stop: Flag, inbox: Any = None, acks: Any = None
+    config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inbox: Any = None, acks: Any = None
 ) -> None:
-    """A worker process's entry (see the module's docstring); ``inbox`` and ``acks``: its
-    queues of the hand-off protocol (:mod:`.generate_moves`; None: it moves nothing)."""
+    """A worker process's entry (see the module's docstring); ``check``: set once every
+    worker has generated, so no worker's check runs beside another's timed generation;
+    ``inbox`` and ``acks``: its queues of the hand-off protocol (:mod:`.generate_moves`;
+    None: it moves nothing)."""
     w = config.worker
     try:
-        _work(config, messages, go, inbox, acks)
+        _work(config, messages, go, check, inbox, acks)
     except Exception as err:
         from kvmem.client.errors import KVMemError
 
@@ -260,7 +262,7 @@ def worker_main(
         messages.put({"kind": "error", "worker": w, "message": message})
 
 
-def _work(config: GenerateConfig, messages: Messages, go: Flag, inbox: Any, acks: Any) -> None:
+def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inbox: Any, acks: Any) -> None:
     import signal
 
     import torch
@@ -316,11 +318,11 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, inbox: Any, acks
                 speculate=config.speculate, on_delta=took, moves=None if moves is None else moves.moves,
                 started_at=started, indices=[p.index for p in config.prompts],
             )  # fmt: skip
+            elapsed = time.monotonic() - started
             if moves is not None:
                 moves.finish()  # its tickets adopted before its session ends
         finally:
             hook.remove()
-        elapsed = time.monotonic() - started
         figures = dataclasses.asdict(engine.figures)
         if moves is not None:
             figures.update(handed_off=moves.moves.num_given, adopted=moves.moves.num_adopted,
@@ -328,6 +330,7 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, inbox: Any, acks
     references = None
     if config.check:
         messages.put({"kind": "checking", "worker": w, **counts, "elapsed_s": elapsed})
+        check.wait()
         model.set_attn_implementation(attention if attention != ATTENTION else "sdpa")
         references = [_reference(model, p, config.max_new_tokens, stops) for p in ids]
     described = {p.index: p.describe() for p in config.prompts}
