@@ -167,7 +167,7 @@ def part_disaggregate(rounds: int, prompts: str | None) -> dict[str, Any]:
             if out.returncode != 0:
                 raise CheckFailed(f"kvmem generate {' '.join(how)} exited {out.returncode}: {out.stderr[-2000:]}")
             runs[name].append(json.loads(out.stdout))
-            print(f"  {name}: {runs[name][-1]['seconds']:.1f} s", flush=True)
+            print(f"  {name}: {runs[name][-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
     tokens = {name: [[c["token_ids"] for c in r["completions"]] for r in rs] for name, rs in runs.items()}
     if any(t != tokens["mixed"][0] for ts in tokens.values() for t in ts):
         raise CheckFailed("the disaggregated run's tokens differ from the mixed worker's")

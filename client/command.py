@@ -209,6 +209,9 @@ def _table(s: Any) -> str:
         f"pages used {used} ({100 * used / total:.1f}%)   cached {s.num_cached_pages}   free {s.num_free_pages}"
         f"   quarantined {s.num_quarantined_pages} (of {s.num_quarantined_sessions} lapsed sessions)",
         f"request slots open {s.num_open_requests}   free {s.num_free_request_slots}",
+        f"hand-offs open {s.num_handoff_tickets} ({s.num_handoff_pages} pages, counted in used)   since start: "
+        f"handed off {s.num_handed_off}, adopted {s.num_adopted}, expired {s.num_handoffs_expired}, released with "
+        f"their giver {s.num_handoffs_given_up}",
         _prefix_line(s),
         _origin_line(s.origin),
     ]

