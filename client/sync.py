@@ -129,16 +129,11 @@ class KVMemClient(ClientBase):
           sent) and gets the remainder, ``need - matched`` tokens from the match's end
           (give it no expected length).
 
-        Hand-offs (another session of this server goes on with the request, nothing
-        copied: see :meth:`handoff`):
-
-        * ``handoff``: request slots that leave this session, each held under a ticket
-          (``StepResult.tickets``), with ``handoff_states`` (per slot, opaque bytes of at
-          most 256 KiB: the token state the adopter needs) if given.
-        * ``adopt``: ``(ticket, request_id)`` items: each ticket's request becomes this
-          session's under ``request_id``, with the same slot, row and length
-          (``StepResult.adopt_slots``, ``adopt_lens``, ``adopt_states``); an alloc item of
-          the same step may name its slot (:func:`kvmem.client.ticket_slot`).
+        Hand-offs (:meth:`handoff`, :meth:`adopt`): ``handoff`` slots leave this session,
+        each under a ticket (``StepResult.tickets``), with ``handoff_states`` if given;
+        ``adopt`` items ``(ticket, request_id)`` take tickets' requests over, with the same
+        slot, row and length (``StepResult.adopt_slots``, ``adopt_lens``, ``adopt_states``);
+        an alloc item may name an adopted slot (:func:`kvmem.client.ticket_slot`).
 
         Cost: one round trip, one message each way on the step stream (``step_stream``;
         else a unary Step). Columns that are numpy arrays or CPU tensors travel as their
@@ -171,25 +166,23 @@ class KVMemClient(ClientBase):
         timeout: float | None = None) -> list[str]:  # fmt: skip
         """Hand running requests to another session of this server, copying nothing:
         each of ``slots`` leaves this session with its row, pages and length, held under
-        the ticket returned for it (in order) until a session of the same cache
-        namespace adopts it (:meth:`adopt`), ``kvmem serve --handoff-ms`` passes, or this
-        session ends (then it is released with it). ``states``: per slot, opaque bytes
-        (at most 256 KiB) given to the adopter, e.g. the request's token ids. Send the
-        tickets to the adopting process yourself (a ticket is a secret: whoever holds it
-        takes the request). From now on this process must not write the requests' pages
-        (it still maps them): drop their ``kv_loc``; this client refuses Step items that
-        name the slots until the server gives them to this session again. One Step;
-        errors: :meth:`step`'s."""
+        the ticket returned for it until a session of the same cache namespace adopts it
+        (:meth:`adopt`), ``kvmem serve --handoff-ms`` passes, or this session ends (then
+        it is released with it). ``states``: per slot, opaque bytes (at most 256 KiB) for
+        the adopter. A ticket is a secret: send it to the adopting process yourself. This
+        process must not write the requests' pages from now on: drop their ``kv_loc``
+        (this client refuses Step items naming the slots until they are its own again).
+        Cost and errors: :meth:`step`'s (one round trip; O(slots): no page is touched)."""
         return self._perform(self._session.handoff(slots, states, timeout=timeout))
 
     def adopt(self, tickets: list[str], request_ids: list[str], *, timeout: float | None = None) -> StepResult:
         """Take over requests another session handed off (:meth:`handoff`), with nothing
         copied: each ticket's request becomes this session's under the request id of the
         same position (new to this session), with the same slot, row, pages and length,
-        so its K/V is read in place: ``StepResult.adopt_slots``, ``adopt_lens`` and
-        ``adopt_states``. The pages count against this session's quota. To decode in
-        the same round trip, use :meth:`step` with ``adopt`` and alloc items. One Step;
-        errors: :meth:`step`'s (a ticket used, expired or forged: ``TICKET_NOT_FOUND``)."""
+        so its K/V is read in place (``StepResult.adopt_slots``, ``adopt_lens``,
+        ``adopt_states``), counted against this session's quota; :meth:`step` adopts and
+        decodes in one round trip. Cost and errors: :meth:`step`'s (one round trip;
+        O(tickets); a ticket used, expired or forged: ``TICKET_NOT_FOUND``)."""
         return self._perform(self._session.adopt(tickets, request_ids, timeout=timeout))
 
     def alloc(self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *,

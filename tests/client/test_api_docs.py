@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "docs" / "build_api.py"
 # The calls of a session: written out on both clients, each over its Session builder.
-CALLS = ("open", "step", "alloc", "truncate", "release", "match", "cache", "stats", "detach")
+CALLS = ("open", "step", "alloc", "truncate", "release", "match", "cache", "handoff", "adopt", "stats", "detach")
 
 
 @dataclass
