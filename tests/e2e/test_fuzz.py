@@ -62,6 +62,11 @@ page is cached with, a match on a request that is not fresh, duplicate, bad and 
 slots, an expected length on a matched alloc, a truncate into a cached page
 (PAGE_SHARED), ``match_max_tokens`` below -1, of the wrong length or without match items,
 cache items without token lists. Each must be refused with its reason and change nothing.
+Hand-off Steps (slots of the session, or bad, repeated ones; states per item, none, of
+the wrong count or too long) and adopt Steps (open tickets in their order of issue,
+forged, used, junk and empty ones, repeated; new request ids, ids the session has open,
+empty or too long ones): a valid one moves the model's request to the holder or to the
+adopter (the ticket read from the answer), a wrong one is refused as the model says.
 
 Every example starts from the same state: two sessions in the default namespace ("fuzz",
 and "tight" with a quota of a third of the pool, whose matches stop at it), no cached
