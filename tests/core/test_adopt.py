@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+from core_state import cut_everywhere
 
 from kvmem.server.core import CoreConfig, KVCore, StepBatch
 from kvmem.server.core.adopt import adopt, layout_for
@@ -193,8 +194,6 @@ def test_a_numbered_step_cut_anywhere_is_undone_whole_and_a_committed_one_kept()
     the one before the Step (rows, lengths, owners, ids, cache keys, page counts), the
     undo is named, and the owner's applied number is the previous Step's. A state taken
     after a commit is the Step's whole."""
-    from kvmem.server.core import crash
-
     cfg = CoreConfig(num_pages=16, page_size=4, max_requests=8, max_context_len=64)
     core, buf = fresh(cfg)
     cuts: list[tuple[str, int, bytes, np.ndarray]] = []
@@ -203,23 +202,8 @@ def test_a_numbered_step_cut_anywhere_is_undone_whole_and_a_committed_one_kept()
     def cut(where: str) -> None:
         cuts.append((where, seq, bytes(buf), core.block_table.copy()))
 
-    originals: list[tuple[type, str, object]] = []
-    for cls, names in ((RequestTable, ("release", "truncate", "grow", "attach", "switch")),
-                       (PagePool, ("take", "unref", "share")), (PrefixCache, ("insert", "evict", "push_evictable"))):  # fmt: skip
-        for name in names:
-            method = getattr(cls, name)
-
-            def wrapper(self, *args, _m=method, _n=f"{cls.__name__}.{name}", **kwargs):  # type: ignore[no-untyped-def]
-                cut(f"before {_n}")
-                out = _m(self, *args, **kwargs)
-                cut(f"after {_n}")
-                return out
-
-            setattr(cls, name, wrapper)
-            originals.append((cls, name, method))
     before: dict[int, tuple[object, ...]] = {}
     after: dict[int, tuple[object, ...]] = {}
-    crash.hook, crash.armed = cut, True
     o = core.add_owner("ns")
     core.set_session(o, "sid-1", "worker", 12)
 
@@ -231,7 +215,9 @@ def test_a_numbered_step_cut_anywhere_is_undone_whole_and_a_committed_one_kept()
         core.commit(seq)
         after[seq] = _state(core)
 
-    try:
+    methods = {RequestTable: ("release", "truncate", "grow", "attach", "switch"), PagePool: ("take", "unref", "share"),
+               PrefixCache: ("insert", "evict", "push_evictable")}  # fmt: skip
+    with cut_everywhere(methods, cut):
         a, b = core.open(o, ["a", "b"]).tolist()
         step(StepBatch.of(alloc_slots=[a, b], alloc_needs=[24, 9]))
         step(StepBatch.of(release_slots=[a], release_tokens=[SYSTEM], alloc_slots=[b], alloc_needs=[1]))
@@ -242,10 +228,6 @@ def test_a_numbered_step_cut_anywhere_is_undone_whole_and_a_committed_one_kept()
         step(StepBatch.of(alloc_slots=[d], alloc_needs=[16]))  # takes the evictable pages
         step(StepBatch.of(alloc_slots=[b, d], alloc_needs=[1, 1]))  # decode
         step(StepBatch.of(release_slots=[b, c, d]))
-    finally:
-        crash.hook, crash.armed = None, False
-        for cls, name, method in originals:
-            setattr(cls, name, method)
     points = {where for where, *_ in cuts}
     assert {"mid-allocs", "after-releases", "after-prefix"} <= points, points
     assert len(cuts) > 50, len(cuts)

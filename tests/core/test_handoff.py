@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from core_state import snapshot
+from core_state import cut_everywhere, snapshot
 
 from kvmem.server.core import CoreConfig, KVCore, StepBatch
 from kvmem.server.core.adopt import adopt, layout_for
@@ -213,7 +213,6 @@ def test_a_numbered_step_that_hands_off_or_adopts_is_undone_whole_by_a_crash() -
     """Numbered Steps that hand off (with a truncate) and adopt (with a decode) are cut
     between any two of the owners' changes and at each crash point: each cut adopts to
     exactly what the image before the Step adopts to."""
-    from kvmem.server.core import crash
 
     layout = layout_for(CFG)
     buf = bytearray(layout.size)
@@ -224,19 +223,6 @@ def test_a_numbered_step_that_hands_off_or_adopts_is_undone_whole_by_a_crash() -
     def cut(where: str) -> None:
         cuts.append((where, at, bytes(buf), core.block_table.copy()))
 
-    originals: list[tuple[type, str, object]] = []
-    for cls, names in ((RequestTable, ("truncate", "grow", "move")), (PagePool, ("take", "unref"))):
-        for name in names:
-            method = getattr(cls, name)
-
-            def wrapper(self, *args, _m=method, _n=f"{cls.__name__}.{name}", **kwargs):  # type: ignore[no-untyped-def]
-                cut(f"before {_n}")
-                out = _m(self, *args, **kwargs)
-                cut(f"after {_n}")
-                return out
-
-            setattr(cls, name, wrapper)
-            originals.append((cls, name, method))
     a, b = core.add_owner(), core.add_owner()
     core.set_session(a, "sid-a", "prefill", None)
     core.set_session(b, "sid-b", "decode", None)
@@ -254,15 +240,10 @@ def test_a_numbered_step_that_hands_off_or_adopts_is_undone_whole_by_a_crash() -
         core.commit(n)
         return out.tickets
 
-    crash.hook, crash.armed = cut, True
-    try:
+    with cut_everywhere({RequestTable: ("truncate", "grow", "move"), PagePool: ("take", "unref")}, cut):
         t1, t2 = step(a, 1, StepBatch.of(truncate_slots=[s2], truncate_lens=[4], handoff=[s1, s2],
                                          handoff_states=[b"1", b"2"]))  # fmt: skip
         step(b, 1, StepBatch.of(adopt=[(t1, "a1"), (t2, "a2")], alloc_slots=[s1, d, s2], alloc_needs=[8, 1, 1]))
-    finally:
-        crash.hook, crash.armed = None, False
-        for cls, name, method in originals:
-            setattr(cls, name, method)
     points = {where for where, *_ in cuts}
     assert {"mid-allocs", "after-releases", "after-prefix", "before RequestTable.move"} <= points, points
     undone = 0
