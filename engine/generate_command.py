@@ -269,7 +269,9 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
     ctx = multiprocessing.get_context("spawn")
     messages: Any = ctx.Queue()
     go, check = ctx.Event(), ctx.Event()  # check: every worker generated (see worker_main)
-    router = Router(ctx, roles) if workers > 1 else None  # requests move between workers (drains, --disaggregate)
+    # requests move between workers (drains, --disaggregate): through kvmem's client (the drop-in's
+    # engine backend sends no hand-off items)
+    router = Router(ctx, roles) if workers > 1 and args.api == "client" else None
     procs = [
         ctx.Process(target=worker_main, args=(c, messages, go, check, *_queues(router, c.worker)), daemon=True)
         for c in configs
