@@ -111,10 +111,14 @@ def report(
             moved = f"; handed off {row['handed_off']}" if row["handed_off"] else ""
             moved += f"; adopted {row['adopted']}" if row["adopted"] else ""
             moved += " (drained)" if row["drained"] else ""
+            hit = (
+                f"; prefix hit {row['matched_tokens']}/{row['prompt_tokens']} prompt tokens"
+                if row["prompt_tokens"]
+                else ""
+            )
             print(
                 f"w{row['worker']} {row['role']}: {row['generated_tokens']} tokens in {row['seconds']:.1f} s, "
-                f"{row['tokens_per_s']:.1f} tokens/s; prefix hit {row['matched_tokens']}/{row['prompt_tokens']} prompt "
-                f"tokens{timing}{moved}"
+                f"{row['tokens_per_s']:.1f} tokens/s{hit}{timing}{moved}"
             )
         p = result["pool"]
         print(
