@@ -60,6 +60,7 @@ SERVE_OPTIONS = {
     "--lease-ms": "10000",
     "--quarantine-ms": "none",
     "--resume-ms": "none",
+    "--handoff-ms": "30000",
     "--drain-ms": "1000",
     "--shutdown-grace-ms": "500",
     "--start-timeout-ms": "120000",
