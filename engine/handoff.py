@@ -38,8 +38,7 @@ Given = Callable[[list[tuple[str, bytes]]], None]
 
 
 def pack(r: Request) -> bytes:
-    """``r``'s token state, for the process that adopts it."""
-    r.moves += 1
+    """``r``'s token state, for the process that takes it over."""
     head = np.array([getattr(r, f) for f in _FIELDS], dtype="<i8").tobytes()
     return head + np.array([r.first_at], dtype="<f8").tobytes() + r.tokens[: r.known].astype("<i4").tobytes()
 
@@ -123,6 +122,8 @@ class Moves:
         for r in self.giving:
             if r.truncate_to >= 0:
                 r.alloced, r.computed, r.truncate_to = r.truncate_to, min(r.computed, r.truncate_to), -1
+        for r in self.giving:
+            r.moves += 1  # handed off with its K/V (a prompt passed on as it is moves nothing)
         self._states = [pack(r) for r in self.giving]
         return [r.slot for r in self.giving], self._states, truncates
 

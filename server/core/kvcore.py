@@ -240,14 +240,14 @@ class KVCore:
                 )  # fmt: skip
                 self._finish()
                 return result
+        undo = self.undo
+        if not seq or undo is None:
+            return self._general(state, batch, quota_pages, prefix)
         closing = rel
         if moves:  # the slots it hands off and adopts change owners: their words go into the record
             closing = np.concatenate([rel, batch.handoff_slots, self.tickets.slots_of(batch.adopt_tickets)])
             if closing.size > self.config.max_requests:  # slots named twice: refused below, before any change
                 closing = rel
-        undo = self.undo
-        if not seq or undo is None:
-            return self._general(state, batch, quota_pages, prefix)
         undo.begin(state.record, seq, [rel, tr, batch.match_slots, al], closing)
         try:
             return self._general(state, batch, quota_pages, prefix)
