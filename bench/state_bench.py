@@ -11,7 +11,7 @@ taking a core over from it takes.
                 256 x 512 tokens, and a decode step whose every request also caches its
                 full pages (a chunked-prefill Step: the cache's facts are written into
                 the image). Target for the decode step: <= 1.05x.
-2. adopt     -- restart to ready in the core: ``adopt()`` of an image of 100,000 pages of
+2. adopt     -- restart to ready in the core: ``restore()`` of an image of 100,000 pages of
                 16 with 64 owners and 16,000 open requests (6 pages each, one in four
                 starting with one of 16 cached 4-page prompts), the audit included,
                 against building a fresh core of the same geometry (``KVCore(...)`` with
@@ -35,7 +35,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from core_bench import CheckFailed, Contender, check, measure, paired_ratio
 
 from kvmem.server.core import CoreConfig, KVCore, StepBatch
-from kvmem.server.core.adopt import adopt, layout_for
+from kvmem.server.core.restore import layout_for, restore
 from kvmem.server.core.image import CoreImage
 
 PS, N = 16, 256
@@ -169,7 +169,7 @@ def part_adopt(num_pages: int, owners: int, requests: int) -> tuple[float, float
     print(f"  kept: {c.stats().num_open_requests} requests, {c.stats().num_used_pages} pages in use, "
           f"{c.stats().num_cache_entries} cached, {len(ids)} owners")  # fmt: skip
     started = time.perf_counter()
-    new, report = adopt(cfg, table, buf, max_owners=owners + 16)
+    new, report = restore(cfg, table, buf, max_owners=owners + 16)
     adopt_s = time.perf_counter() - started
     check(report.repaired == (), f"adopt repaired a clean state: {report.repaired}")
     check(np.array_equal(new.block_table, kept[0]) and np.array_equal(new.slots.alloced, kept[1]), "rows/lengths")

@@ -40,11 +40,19 @@ _WHERE = {
     **{
         name: "kvmem.client.errors"
         for name in (
-            "FailedPrecondition", "InvalidArgument", "KVMemError", "NoFreeRequestSlot", "NotFound", "Reason",
-            "SessionLost", "TooManySessions", "Unauthenticated", "Unavailable",
+            "FailedPrecondition",
+            "InvalidArgument",
+            "KVMemError",
+            "NoFreeRequestSlot",
+            "NotFound",
+            "Reason",
+            "SessionLost",
+            "TooManySessions",
+            "Unauthenticated",
+            "Unavailable",
         )
     },
-}  # fmt: skip
+}
 
 
 def __getattr__(name: str) -> Any:

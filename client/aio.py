@@ -93,22 +93,47 @@ class AsyncKVMemClient(ClientBase):
     open.__doc__ = KVMemClient.open.__doc__
 
     async def step(
-        self, *, release_slots: IntsLike = NO_COLUMN, truncate_slots: IntsLike = NO_COLUMN,
-        truncate_lens: IntsLike = NO_COLUMN, alloc_slots: IntsLike = NO_COLUMN, alloc_needs: IntsLike = NO_COLUMN,
-        alloc_expected_lens: IntsLike | None = None, atomic: bool = False, release_token_ids: TokenLists | None = None,
-        cache: CacheItems | None = None, match: MatchItems | None = None, handoff: IntsLike | None = None,
-        handoff_states: list[bytes] | None = None, adopt: AdoptItems | None = None, timeout: float | None = None,
-    ) -> StepResult:  # fmt: skip
-        return await self._perform(self._session.step(release_slots=release_slots, truncate_slots=truncate_slots,
-            truncate_lens=truncate_lens, alloc_slots=alloc_slots, alloc_needs=alloc_needs,
-            alloc_expected_lens=alloc_expected_lens, atomic=atomic, release_token_ids=release_token_ids,
-            cache=cache, match=match, handoff=handoff, handoff_states=handoff_states, adopt=adopt,
-            timeout=timeout))  # fmt: skip
+        self,
+        *,
+        release_slots: IntsLike = NO_COLUMN,
+        truncate_slots: IntsLike = NO_COLUMN,
+        truncate_lens: IntsLike = NO_COLUMN,
+        alloc_slots: IntsLike = NO_COLUMN,
+        alloc_needs: IntsLike = NO_COLUMN,
+        alloc_expected_lens: IntsLike | None = None,
+        atomic: bool = False,
+        release_token_ids: TokenLists | None = None,
+        cache: CacheItems | None = None,
+        match: MatchItems | None = None,
+        handoff: IntsLike | None = None,
+        handoff_states: list[bytes] | None = None,
+        adopt: AdoptItems | None = None,
+        timeout: float | None = None,
+    ) -> StepResult:
+        return await self._perform(
+            self._session.step(
+                release_slots=release_slots,
+                truncate_slots=truncate_slots,
+                truncate_lens=truncate_lens,
+                alloc_slots=alloc_slots,
+                alloc_needs=alloc_needs,
+                alloc_expected_lens=alloc_expected_lens,
+                atomic=atomic,
+                release_token_ids=release_token_ids,
+                cache=cache,
+                match=match,
+                handoff=handoff,
+                handoff_states=handoff_states,
+                adopt=adopt,
+                timeout=timeout,
+            )
+        )
 
     step.__doc__ = KVMemClient.step.__doc__
 
-    async def handoff(self, slots: IntsLike, states: list[bytes] | None = None, *,
-        timeout: float | None = None) -> list[str]:  # fmt: skip
+    async def handoff(
+        self, slots: IntsLike, states: list[bytes] | None = None, *, timeout: float | None = None
+    ) -> list[str]:
         return await self._perform(self._session.handoff(slots, states, timeout=timeout))
 
     handoff.__doc__ = KVMemClient.handoff.__doc__
@@ -118,8 +143,15 @@ class AsyncKVMemClient(ClientBase):
 
     adopt.__doc__ = KVMemClient.adopt.__doc__
 
-    async def alloc(self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *,
-        atomic: bool = False, timeout: float | None = None) -> StepResult:  # fmt: skip
+    async def alloc(
+        self,
+        slots: IntsLike,
+        needs: IntsLike,
+        expected_lens: IntsLike | None = None,
+        *,
+        atomic: bool = False,
+        timeout: float | None = None,
+    ) -> StepResult:
         return await self._perform(self._session.alloc(slots, needs, expected_lens, atomic=atomic, timeout=timeout))
 
     alloc.__doc__ = KVMemClient.alloc.__doc__
@@ -129,14 +161,16 @@ class AsyncKVMemClient(ClientBase):
 
     truncate.__doc__ = KVMemClient.truncate.__doc__
 
-    async def release(self, slots: IntsLike, token_ids: TokenLists | None = None, *,
-        timeout: float | None = None) -> StepResult:  # fmt: skip
+    async def release(
+        self, slots: IntsLike, token_ids: TokenLists | None = None, *, timeout: float | None = None
+    ) -> StepResult:
         return await self._perform(self._session.release(slots, token_ids, timeout=timeout))
 
     release.__doc__ = KVMemClient.release.__doc__
 
-    async def match(self, slot: int, token_ids: TokensLike, max_tokens: int | None = None, *,
-        timeout: float | None = None) -> int:  # fmt: skip
+    async def match(
+        self, slot: int, token_ids: TokensLike, max_tokens: int | None = None, *, timeout: float | None = None
+    ) -> int:
         return await self._perform(self._session.match(slot, token_ids, max_tokens, timeout=timeout))
 
     match.__doc__ = KVMemClient.match.__doc__

@@ -31,15 +31,18 @@ def add_parser(sub: Any, name: str) -> None:
     option(p, "--socket", DEFAULT_SOCKET, "unix socket of the server")
     option(p, "--tcp", None, "HOST:PORT of the server instead of the socket", address)
     option(p, "--auth-token", None, "bearer token for TCP")
-    option(p, "--tls-ca", None, "with --tcp: TLS, checking the server's certificate against the CA(s) in this "
-         "PEM file")  # fmt: skip
-    option(p, "--tls-server-name", None, "with --tls-ca: the name the server's certificate must have, when it "
-         "is not --tcp's host")  # fmt: skip
-    option(p, "--tls-client-cert", None, "with --tls-ca: this client's PEM certificate, for a server with "
-         "--tls-client-ca")  # fmt: skip
+    option(p, "--tls-ca", None, "with --tcp: TLS, checking the server's certificate against the CA(s) in this PEM file")
+    option(
+        p,
+        "--tls-server-name",
+        None,
+        "with --tls-ca: the name the server's certificate must have, when it is not --tcp's host",
+    )
+    option(
+        p, "--tls-client-cert", None, "with --tls-ca: this client's PEM certificate, for a server with --tls-client-ca"
+    )
     option(p, "--tls-client-key", None, "the PEM private key of --tls-client-cert")
-    p.add_argument("--timeout", type=positive_float, default=3.0,
-                   help="seconds to wait for an answer (default: 3)")  # fmt: skip
+    p.add_argument("--timeout", type=positive_float, default=3.0, help="seconds to wait for an answer (default: 3)")
     if name == "health":
         p.add_argument(
             "--service",
@@ -49,9 +52,15 @@ def add_parser(sub: Any, name: str) -> None:
     else:
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
         p.add_argument("--audit", action="store_true", help="also run the full pool audit (O(pool))")
-        p.add_argument("--watch", nargs="?", const=2.0, type=positive_float, metavar="SECONDS",
-                       help="refresh every SECONDS (default: 2) until Ctrl-C: redrawn in place on a terminal, "
-                       "one block after another otherwise (--json: one JSON object a line)")  # fmt: skip
+        p.add_argument(
+            "--watch",
+            nargs="?",
+            const=2.0,
+            type=positive_float,
+            metavar="SECONDS",
+            help="refresh every SECONDS (default: 2) until Ctrl-C: redrawn in place on a terminal, "
+            "one block after another otherwise (--json: one JSON object a line)",
+        )
         p.add_argument("--count", type=integer(1), help="stop after this many refreshes (implies --watch)")
 
 

@@ -123,10 +123,11 @@ class Resuming:
         server is another run, or none)."""
         waited = 0.0 if self._outage_since is None else time.monotonic() - self._outage_since
         lost = SessionLost(
-            err.code, err.raw_reason,
+            err.code,
+            err.raw_reason,
             f"the server restarted and this session could not be resumed after {waited:.1f}s: {err.message}",
             err.metadata,
-        )  # fmt: skip
+        )
         lost.views_stale = True
         self._lose(lost)
         return lost
@@ -138,9 +139,10 @@ class Resuming:
         theirs = [(h.name, h.rank, h.size_bytes, h.shm.path) for h in resp.memory]
         if mine != theirs:
             raise KVMemError(
-                grpc.StatusCode.FAILED_PRECONDITION, UNSPECIFIED,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                UNSPECIFIED,
                 f"the resumed server's memory is not this session's (handles {theirs} were {mine})",
-            )  # fmt: skip
+            )
         self.epoch, self.lease_ms, self.resume_ms = resp.epoch, resp.lease_ms, resp.resume_ms
         self._resumed = resp.resumed
         # An answer this client already has is of a committed Step (a concurrent call's): never behind it.
@@ -153,14 +155,22 @@ class Resuming:
         since, self._outage_since = self._outage_since, None
         self.num_resumes += 1
         info = Resumed(
-            self._epoch_before, self.epoch, 0.0 if since is None else time.monotonic() - since,
-            self._resumed.num_requests, self._resumed.applied_seq,
-        )  # fmt: skip
+            self._epoch_before,
+            self.epoch,
+            0.0 if since is None else time.monotonic() - since,
+            self._resumed.num_requests,
+            self._resumed.applied_seq,
+        )
         log.warning(
             "kvmem session %s resumed after %.2fs without a server (epoch %s -> %s): %d requests kept, last Step "
-            "applied %d", self.name or self.session_id[:6], info.outage_s, info.old_epoch, info.epoch,
-            info.num_requests, info.applied_seq,
-        )  # fmt: skip
+            "applied %d",
+            self.name or self.session_id[:6],
+            info.outage_s,
+            info.old_epoch,
+            info.epoch,
+            info.num_requests,
+            info.applied_seq,
+        )
         if self.on_resumed is not None:
             self.on_resumed(info)
 
@@ -184,10 +194,11 @@ class Resuming:
             answer.epoch = self.epoch  # given by the last run: this one keeps what it says
             return answer
         raise KVMemError(
-            grpc.StatusCode.DATA_LOSS, UNSPECIFIED,
+            grpc.StatusCode.DATA_LOSS,
+            UNSPECIFIED,
             f"the server restarted with this session's Step {seq or '(unnumbered)'} in flight: it was applied "
             f"(the last applied is {applied}) but its answer was not kept (larger than the server keeps)",
-        )  # fmt: skip
+        )
 
     def call_failed(self, call: Call[Any], err: KVMemError | None) -> KVMemError | None:
         """A call failed with ``err`` (None: interrupted or cancelled): None when the
@@ -205,10 +216,12 @@ class Resuming:
         """A Step failed without an answer that says it was refused (a deadline, a
         cancel, an interrupt (``err`` None), a broken connection not resumed): its fate
         is unknown, so the next Step goes unnumbered and takes its number from the answer."""
-        if call.method == "Step" and (
-            err is None or err.code in (
-                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.UNKNOWN,
-            )
-        ):  # fmt: skip
+        code = grpc.StatusCode
+        fate_unknown = err is None or err.code in (
+            code.DEADLINE_EXCEEDED,
+            code.CANCELLED,
+            code.UNAVAILABLE,
+            code.UNKNOWN,
+        )
+        if call.method == "Step" and fate_unknown:
             self.seq_known = False

@@ -184,8 +184,14 @@ class Session(Resuming, Handoffs):
             prefix_columns(columns, release_token_ids, cache, match)
         read: Callable[[kvmem_pb2.StepResponse], StepResult] = StepResult
         if self.handed_off:
-            self.fence(release_slots, truncate_slots, alloc_slots, [c[0] for c in cache or ()],
-                       [m[0] for m in match or ()], handoff)  # fmt: skip
+            self.fence(
+                release_slots,
+                truncate_slots,
+                alloc_slots,
+                [c[0] for c in cache or ()],
+                [m[0] for m in match or ()],
+                handoff,
+            )
         if handoff is not None or handoff_states is not None or adopt:
             given = self.handoff_columns(columns, handoff, handoff_states, adopt)
             read = functools.partial(self.stepped, given)
@@ -218,9 +224,14 @@ class Session(Resuming, Handoffs):
         return Call("Step", call.request, call.timeout, pages_switched_of, fenced=True)
 
     def alloc(
-        self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *, atomic: bool = False,
+        self,
+        slots: IntsLike,
+        needs: IntsLike,
+        expected_lens: IntsLike | None = None,
+        *,
+        atomic: bool = False,
         timeout: float | None = None,
-    ) -> Call[StepResult]:  # fmt: skip
+    ) -> Call[StepResult]:
         """The Step of ``alloc``: allocs only."""
         return self.step(
             alloc_slots=slots, alloc_needs=needs, alloc_expected_lens=expected_lens, atomic=atomic, timeout=timeout

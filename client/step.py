@@ -196,9 +196,17 @@ class StepResult:
     """
 
     __slots__ = (
-        "_adopt_lens", "_adopt_slots", "_cache_switched", "_kv_loc", "_kv_loc_offsets", "_match_lens",
-        "_new_page_offsets", "_new_pages", "_resp", "_status",
-    )  # fmt: skip
+        "_adopt_lens",
+        "_adopt_slots",
+        "_cache_switched",
+        "_kv_loc",
+        "_kv_loc_offsets",
+        "_match_lens",
+        "_new_page_offsets",
+        "_new_pages",
+        "_resp",
+        "_status",
+    )
 
     status = _BytesView("alloc_status", torch.int8, "int8 [n]: AllocStatus per alloc item.")
     kv_loc = _BytesView("kv_loc", torch.int32, "int32 [T]: the token slots of every alloc item, concatenated.")
@@ -209,9 +217,10 @@ class StepResult:
         "match_lens", torch.int32, "int32 [m]: per match item, the tokens it matched (whole pages); its row holds them."
     )
     cache_switched = _BytesView(
-        "cache_switched", torch.int32,
+        "cache_switched",
+        torch.int32,
         "int32 [c]: per cache item, the pages of its row switched to an equal cached page (the row changed).",
-    )  # fmt: skip
+    )
 
     adopt_slots = _BytesView("adopt_slots", torch.int32, "int32 [a]: per adopt item, its request slot here.")
     adopt_lens = _BytesView("adopt_lens", torch.int32, "int32 [a]: per adopt item, its alloced_len (tokens).")

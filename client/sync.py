@@ -98,12 +98,23 @@ class KVMemClient(ClientBase):
         return self._perform(self._session.open(request_ids, timeout=timeout))
 
     def step(
-        self, *, release_slots: IntsLike = NO_COLUMN, truncate_slots: IntsLike = NO_COLUMN,
-        truncate_lens: IntsLike = NO_COLUMN, alloc_slots: IntsLike = NO_COLUMN, alloc_needs: IntsLike = NO_COLUMN,
-        alloc_expected_lens: IntsLike | None = None, atomic: bool = False, release_token_ids: TokenLists | None = None,
-        cache: CacheItems | None = None, match: MatchItems | None = None, handoff: IntsLike | None = None,
-        handoff_states: list[bytes] | None = None, adopt: AdoptItems | None = None, timeout: float | None = None,
-    ) -> StepResult:  # fmt: skip
+        self,
+        *,
+        release_slots: IntsLike = NO_COLUMN,
+        truncate_slots: IntsLike = NO_COLUMN,
+        truncate_lens: IntsLike = NO_COLUMN,
+        alloc_slots: IntsLike = NO_COLUMN,
+        alloc_needs: IntsLike = NO_COLUMN,
+        alloc_expected_lens: IntsLike | None = None,
+        atomic: bool = False,
+        release_token_ids: TokenLists | None = None,
+        cache: CacheItems | None = None,
+        match: MatchItems | None = None,
+        handoff: IntsLike | None = None,
+        handoff_states: list[bytes] | None = None,
+        adopt: AdoptItems | None = None,
+        timeout: float | None = None,
+    ) -> StepResult:
         """One scheduler step in one round trip: releases, truncates, hand-offs, caches,
         matches, adoptions, then allocs, validated whole (an invalid item changes nothing). Per alloc item
         ``i``: ``alloc_needs[i]`` more tokens for request slot ``alloc_slots[i]`` (with
@@ -156,14 +167,26 @@ class KVMemClient(ClientBase):
         :raises Unavailable: the server is shutting down or cannot be reached.
         :raises KVMemError: no answer within ``timeout`` seconds (code ``DEADLINE_EXCEEDED``).
         """
-        return self._perform(self._session.step(release_slots=release_slots, truncate_slots=truncate_slots,
-            truncate_lens=truncate_lens, alloc_slots=alloc_slots, alloc_needs=alloc_needs,
-            alloc_expected_lens=alloc_expected_lens, atomic=atomic, release_token_ids=release_token_ids,
-            cache=cache, match=match, handoff=handoff, handoff_states=handoff_states, adopt=adopt,
-            timeout=timeout))  # fmt: skip
+        return self._perform(
+            self._session.step(
+                release_slots=release_slots,
+                truncate_slots=truncate_slots,
+                truncate_lens=truncate_lens,
+                alloc_slots=alloc_slots,
+                alloc_needs=alloc_needs,
+                alloc_expected_lens=alloc_expected_lens,
+                atomic=atomic,
+                release_token_ids=release_token_ids,
+                cache=cache,
+                match=match,
+                handoff=handoff,
+                handoff_states=handoff_states,
+                adopt=adopt,
+                timeout=timeout,
+            )
+        )
 
-    def handoff(self, slots: IntsLike, states: list[bytes] | None = None, *,
-        timeout: float | None = None) -> list[str]:  # fmt: skip
+    def handoff(self, slots: IntsLike, states: list[bytes] | None = None, *, timeout: float | None = None) -> list[str]:
         """Hand running requests to another session of this server, copying nothing:
         each of ``slots`` leaves this session with its row, pages and length, held under
         the ticket returned for it until a session of the same cache namespace adopts it
@@ -185,8 +208,15 @@ class KVMemClient(ClientBase):
         O(tickets); a ticket used, expired or forged: ``TICKET_NOT_FOUND``)."""
         return self._perform(self._session.adopt(tickets, request_ids, timeout=timeout))
 
-    def alloc(self, slots: IntsLike, needs: IntsLike, expected_lens: IntsLike | None = None, *,
-        atomic: bool = False, timeout: float | None = None) -> StepResult:  # fmt: skip
+    def alloc(
+        self,
+        slots: IntsLike,
+        needs: IntsLike,
+        expected_lens: IntsLike | None = None,
+        *,
+        atomic: bool = False,
+        timeout: float | None = None,
+    ) -> StepResult:
         """A step of allocs only: ``needs[i]`` more tokens for request slot ``slots[i]``
         (``expected_lens[i]``: the alloced_len it must have, -1: any; ``atomic``: none
         unless all fit). Cost and errors: :meth:`step`'s (one round trip)."""
@@ -197,16 +227,18 @@ class KVMemClient(ClientBase):
         tokens (pages past it return). Cost and errors: :meth:`step`'s (one round trip)."""
         return self._perform(self._session.truncate(slots, new_lens, timeout=timeout))
 
-    def release(self, slots: IntsLike, token_ids: TokenLists | None = None, *,
-        timeout: float | None = None) -> StepResult:  # fmt: skip
+    def release(
+        self, slots: IntsLike, token_ids: TokenLists | None = None, *, timeout: float | None = None
+    ) -> StepResult:
         """A step of releases only: the requests end, their slots and pages return.
         With ``token_ids`` (per slot, its token ids or None) their full pages enter the
         prefix cache first, for later matches of any session in this namespace. Cost
         and errors: :meth:`step`'s (one round trip)."""
         return self._perform(self._session.release(slots, token_ids, timeout=timeout))
 
-    def match(self, slot: int, token_ids: TokensLike, max_tokens: int | None = None, *,
-        timeout: float | None = None) -> int:  # fmt: skip
+    def match(
+        self, slot: int, token_ids: TokensLike, max_tokens: int | None = None, *, timeout: float | None = None
+    ) -> int:
         """A step of one match item: request slot ``slot`` (fresh: alloced_len 0) takes
         the longest run of cached full pages of ``token_ids`` (at most ``max_tokens``
         tokens). Returns the tokens matched (a multiple of the page size; 0 with the
@@ -293,8 +325,8 @@ class KVMemClient(ClientBase):
             while True:
                 call = session.resume_call()
                 try:
-                    session.finish(call, self._stub.Attach(call.request, timeout=call.timeout,
-                                                           metadata=session.metadata))  # fmt: skip
+                    answer = self._stub.Attach(call.request, timeout=call.timeout, metadata=session.metadata)
+                    session.finish(call, answer)
                     break
                 except grpc.RpcError as rpc_err:
                     err = from_rpc_error(rpc_err)

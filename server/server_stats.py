@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from kvmem.server.core import AuditReport, PoolStats
-from kvmem.server.core.adopt import Adoption
+from kvmem.server.core.restore import Restoration
 
 if TYPE_CHECKING:
     from kvmem.server.sessions import Session
@@ -33,18 +33,19 @@ class ServerStats:
     prefix_cache_enabled: bool = False
     prefix_hash: str = ""  # the page-key recipe's name
     origin: StateOrigin | None = None
-    num_dormant: int = 0  # adopted sessions not resumed yet
-    num_resumed: int = 0  # adopted sessions their clients resumed
-    num_not_resumed: int = 0  # adopted sessions ended because no client resumed them in time
+    num_dormant: int = 0  # restored sessions not resumed yet
+    num_resumed: int = 0  # restored sessions their clients resumed
+    num_not_resumed: int = 0  # restored sessions ended because no client resumed them in time
     handoffs: tuple[int, int, int, int] = (0, 0, 0, 0)  # since start: handed off, adopted, expired, given up
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StateOrigin:
     """Where the run's state came from (see ``StateOrigin`` in the proto): ``kind``
-    "fresh", "new" or "adopted"; ``adoption``, what was adopted (None otherwise), in
-    ``adopt_ms``."""
+    "fresh", "new" or "adopted" (the wire's word for a kept state restored);
+    ``restoration``, what was restored (None otherwise), in ``restore_ms`` (the wire's
+    ``adopt_ms``)."""
 
     kind: str
-    adoption: Adoption | None = None
-    adopt_ms: float = 0.0
+    restoration: Restoration | None = None
+    restore_ms: float = 0.0

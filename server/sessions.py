@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvmem.server.core import AllocStatus, KVCore, OwnerId, StepBatch, StepResult, crash
-from kvmem.server.core.adopt import Adoption
+from kvmem.server.core import AllocStatus, KVCore, OwnerId, StepBatch, StepOutcome, crash
+from kvmem.server.core.restore import Restoration
 from kvmem.server.errors import KVMemError, Reason
 from kvmem.server.server_stats import ServerStats, SessionUsage, StateOrigin
 from kvmem.server.steplog import StepLog
@@ -65,7 +65,7 @@ class Session:
 
 @dataclasses.dataclass(slots=True)
 class Dormant:
-    """A session of the last server run (adopted with its state), waiting for its client
+    """A session of the last server run (restored with its state), waiting for its client
     to resume it until ``until`` (monotonic seconds); ``answer``: its last Step's
     answer, kept across the restart (None when it was too large to keep, or lost)."""
 
@@ -133,7 +133,7 @@ class Sessions:
         # How long a lapsed session's pages stay out of use (default: six leases).
         self.quarantine_s = QUARANTINE_LEASES * lease_s if quarantine_s is None else quarantine_s
         self.quarantined: dict[str, Quarantine] = {}  # by session id
-        self.origin = StateOrigin("new" if core.image is not None else "fresh")  # the server sets an adoption's
+        self.origin = StateOrigin("new" if core.image is not None else "fresh")  # the server sets a restoration's
         self._sync_memory = memory if memory is not None and memory.syncs_rows else None
         self.by_id: dict[str, Session] = {}
         self._started = time.monotonic()
@@ -194,8 +194,11 @@ class Sessions:
         self.by_id[session.session_id] = session
         log.info(
             "session attached name=%s index=%d quota_pages=%s cache_namespace=%r",
-            session.name, owner, quota_pages, cache_namespace,
-        )  # fmt: skip
+            session.name,
+            owner,
+            quota_pages,
+            cache_namespace,
+        )
         return session
 
     def session(self, session_id: str) -> Session:
@@ -239,31 +242,40 @@ class Sessions:
             self.quarantined[session_id] = Quarantine(session.name, session.owner, until)
         log.info(
             "session ended name=%s index=%d why=%s requests_released=%d pages_quarantined=%d",
-            session.name, session.owner, why, released, held,
-        )  # fmt: skip
+            session.name,
+            session.owner,
+            why,
+            released,
+            held,
+        )
         return released
 
-    def adopt_sessions(self, adoption: Adoption, answers: dict[int, tuple[int, bytes | None]]) -> None:
-        """An adopted core's owners are the last run's sessions: each waits ``resume_s``
+    def restore_sessions(self, restoration: Restoration, answers: dict[int, tuple[int, bytes | None]]) -> None:
+        """A restored core's owners are the last run's sessions: each waits ``resume_s``
         for its client (:meth:`resume`; ``answers``: the step log's, by owner), and is
         then ended as a lapsed lease ends (:meth:`expire`). An owner with no session
         (or with ``resume_s`` 0) ends now, its pages quarantined (its process may still
         write into them); the quarantines the last run left are kept as long again.
         O(owners + their requests)."""
         now = time.monotonic()
-        known = {s.owner: s for s in adoption.sessions}
+        known = {s.owner: s for s in restoration.sessions}
         for owner in self.core.owner_ids():
-            adopted = known.get(owner)
-            if adopted is None or not adopted.session_id or self.resume_s <= 0:
+            restored = known.get(owner)
+            if restored is None or not restored.session_id or self.resume_s <= 0:
                 requests = int(self.core.slots_of(owner).size)
                 self.num_pages_released += self.core.pages_held(owner)
                 self.core.remove_owner(owner, quarantine=True)
                 log.info("adopted owner ended index=%d requests_released=%d (no session to resume)", owner, requests)
                 continue
             session = Session(
-                adopted.session_id, adopted.name, OwnerId(owner), adopted.quota_pages, now, adopted.cache_namespace,
-                adopted.applied_seq,
-            )  # fmt: skip
+                restored.session_id,
+                restored.name,
+                OwnerId(owner),
+                restored.quota_pages,
+                now,
+                restored.cache_namespace,
+                restored.applied_seq,
+            )
             seq, answer = answers.get(owner, (-1, None))
             kept = answer if seq == session.applied_seq else None
             self.dormant[session.session_id] = Dormant(session, now + self.resume_s, kept)
@@ -277,7 +289,7 @@ class Sessions:
             log.info("%d session(s) of the last run may resume within %.1fs", len(self.dormant), self.resume_s)
 
     def resume(self, session_id: str) -> Resumed:
-        """The client of a session of the last run (:meth:`adopt_sessions`) is back:
+        """The client of a session of the last run (:meth:`restore_sessions`) is back:
         the session is live again with its requests, rows and lengths; it is told the
         number of its last Step applied and, if kept, that Step's answer. A live
         session's resume (its client's earlier resume answer was lost) says the same
@@ -305,9 +317,13 @@ class Sessions:
         waited = dormant.until - self.resume_s
         log.info(
             "session resumed name=%s index=%d requests=%d pages=%d applied_seq=%d after %.0f ms",
-            session.name, session.owner, requests, self.core.pages_held(session.owner), session.applied_seq,
+            session.name,
+            session.owner,
+            requests,
+            self.core.pages_held(session.owner),
+            session.applied_seq,
             1000 * (session.last_seen - waited),
-        )  # fmt: skip
+        )
         answer = dormant.answer
         return Resumed(session, session.applied_seq, answer or b"", answer is not None, requests)
 
@@ -362,7 +378,7 @@ class Sessions:
         return self.core.open(self.session(session_id).owner, request_ids)
 
     def step(
-        self, session_id: str, batch: StepBatch, seq: int = 0, answer: Callable[[StepResult, int], Any] | None = None
+        self, session_id: str, batch: StepBatch, seq: int = 0, answer: Callable[[StepOutcome, int], Any] | None = None
     ) -> Any:
         """Apply one Step of the session: its result, or ``answer(result)`` (the
         response message) when given. Steps are numbered per session: ``seq`` is the
@@ -410,7 +426,7 @@ class Sessions:
             self._sync_changed_rows(batch, result)
         return out
 
-    def _sync_changed_rows(self, batch: StepBatch, result: StepResult) -> None:
+    def _sync_changed_rows(self, batch: StepBatch, result: StepOutcome) -> None:
         """Rows that changed: released and truncated ones, allocs that took pages (a
         decode step mostly fills tails: few rows change), and the rows matches and cache
         items rewrote (``changed_rows``)."""
@@ -435,10 +451,19 @@ class Sessions:
         audit_report = core.audit() if audit else None
         uptime = time.monotonic() - self._started
         return ServerStats(
-            pool, tuple(rows), audit_report, self.num_steps, uptime, core.prefix_enabled, core.page_keys.name,
-            self.origin, len(self.dormant), self.num_resumed, self.num_not_resumed,
+            pool,
+            tuple(rows),
+            audit_report,
+            self.num_steps,
+            uptime,
+            core.prefix_enabled,
+            core.page_keys.name,
+            self.origin,
+            len(self.dormant),
+            self.num_resumed,
+            self.num_not_resumed,
             (t.num_handed_off, t.num_adopted, t.num_expired, t.num_given_up),
-        )  # fmt: skip
+        )
 
 
 def _redact(session_id: str) -> str:

@@ -54,8 +54,8 @@ class StepLog:
 
     def answers(self) -> dict[int, tuple[int, bytes | None]]:
         """Every owner's latest answer, by owner index: ``(seq, bytes)``, bytes None
-        when it was too large to keep (a record reused since an adoption may still hold
-        an older one: the highest number wins). O(max_owners), once at adoption."""
+        when it was too large to keep (a record reused since a restore may still hold
+        an older one: the highest number wins). O(max_owners), once at a restore."""
         out: dict[int, tuple[int, bytes | None]] = {}
         for record in np.flatnonzero(self.heads[:, 0] > 0).tolist():
             owner, seq, n = (int(v) for v in self.heads[record])

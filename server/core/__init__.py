@@ -17,7 +17,7 @@ and prefix modules plan and call the owners. Bottom up:
 * :mod:`.slots` -- :class:`RequestTable`: request slots, their owners (small
   integers), request ids, lengths (``alloced``) and block-table rows, and each owner's
   accounting (``num_pages_held``); the only code that changes them;
-* :mod:`.batch` -- :class:`StepBatch` in, :class:`StepResult` out; the one
+* :mod:`.batch` -- :class:`StepBatch` in, :class:`StepOutcome` out; the one
   "first offending item" rule;
 * :mod:`.step` -- a step's validation;
 * :mod:`.alloc` -- allocs, planned: the general path and the decode fast path;
@@ -27,7 +27,7 @@ and prefix modules plan and call the owners. Bottom up:
   kind of item planned and applied in order, then one result.
 """
 
-from kvmem.server.core.batch import NO_EXPECTATION, AllocStatus, StepBatch, StepResult
+from kvmem.server.core.batch import NO_EXPECTATION, AllocStatus, StepBatch, StepOutcome
 from kvmem.server.core.config import AuditReport, CoreConfig, OwnerId, OwnerUsage, PoolStats
 from kvmem.server.core.kvcore import KVCore
 from kvmem.server.core.pool import PagePool
@@ -43,5 +43,5 @@ __all__ = [
     "PagePool",
     "PoolStats",
     "StepBatch",
-    "StepResult",
+    "StepOutcome",
 ]

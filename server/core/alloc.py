@@ -20,7 +20,7 @@ from kvmem.server.core.table import BlockTable, segments
 from kvmem.server.core.undo import UndoLog
 
 # What a step's allocs give its result: alloc_status, kv_loc, kv_loc_offsets, new_pages,
-# new_page_offsets (the first five fields of StepResult) and num_refused. A tuple: the
+# new_page_offsets (the first five fields of StepOutcome) and num_refused. A tuple: the
 # decode path builds one per step.
 Allocs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
 NO_ALLOCS: Allocs = (NO_STATUS, NO_INT32, ZERO_OFFSETS, NO_INT32, ZERO_OFFSETS, 0)
@@ -129,9 +129,14 @@ class Allocator:
         return (self.table.array[slots[idx], pos // ps] * ps + pos % ps).astype(np.int32)
 
     def decode(
-        self, state: Owner, slots: np.ndarray, need: np.ndarray, expected: np.ndarray | None, quota: int | None,
+        self,
+        state: Owner,
+        slots: np.ndarray,
+        need: np.ndarray,
+        expected: np.ndarray | None,
+        quota: int | None,
         seq: int = 0,
-    ) -> Allocs | None:  # fmt: skip
+    ) -> Allocs | None:
         """A step of allocs only, one token each, every item valid and served: a
         decode step, the one a server makes most. It validates and applies in about
         25 array operations instead of the general path's 35 (a step arrives with the

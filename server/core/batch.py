@@ -1,4 +1,4 @@
-"""The step's boundary: :class:`StepBatch` in, :class:`StepResult` out.
+"""The step's boundary: :class:`StepBatch` in, :class:`StepOutcome` out.
 
 A :class:`StepBatch` is built once from the wire (the service) or from Python values
 (:meth:`StepBatch.of`, for tests and benchmarks) and passed unchanged through the
@@ -275,7 +275,7 @@ def _mismatch(name: str, n: int, other: str, m: int) -> KVMemError:
 
 
 @dataclasses.dataclass(slots=True)
-class StepResult:
+class StepOutcome:
     """What a step did. Per alloc item ``i``: ``alloc_status[i]``, its token slots
     ``kv_loc[kv_loc_offsets[i]:kv_loc_offsets[i+1]]`` and its new pages
     ``new_pages[new_page_offsets[i]:new_page_offsets[i+1]]`` (empty unless OK)."""

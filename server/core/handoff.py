@@ -130,8 +130,11 @@ class Tickets:
         requests, hs = self._requests, batch.handoff_slots
         requests.check(state, hs, "handoff_slots", batch.release_slots)
         scratch = requests.scratch
-        for name, other in (("cache_slots", batch.cache_slots), ("match_slots", batch.match_slots),
-                            ("alloc_slots", batch.alloc_slots)):  # fmt: skip
+        for name, other in (
+            ("cache_slots", batch.cache_slots),
+            ("match_slots", batch.match_slots),
+            ("alloc_slots", batch.alloc_slots),
+        ):
             if other.size:
                 scratch[hs] = 0
                 scratch[other] = 1

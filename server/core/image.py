@@ -19,16 +19,16 @@ What the image holds (the block-table rows are the given table, already shared):
   it was before, so that a Step cut by a crash is undone, never half applied.
 
 What it does not hold: reference counts, the evictable queue, the key index and the
-per-owner accounting: :mod:`.adopt` derives them from the above (O(pool), once). Nor
+per-owner accounting: :mod:`.restore` derives them from the above (O(pool), once). Nor
 the counters "since start" (hits, evictions): a new process starts them at 0.
 
 Write order makes a crash at any instant recoverable: a page's cache facts are written
 before its ``cached`` flag is set, and its flag is cleared before it is handed out again;
 a request's id is written before its owner, its row before its length grows, and a
-shrinking row is zeroed before its length drops (adoption trims a length its row does
+shrinking row is zeroed before its length drops (a restore trims a length its row does
 not cover); pages are let go only after that, so a page freed in a Step is in no row
 when an alloc of the same Step takes it. The header's ``writer_pid`` names the process
-that created or adopted it (for the logs: a pid is no proof of life, pids are reused).
+that created or restored it (for the logs: a pid is no proof of life, pids are reused).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class CoreImage:
 
     @classmethod
     def private(cls, layout: ImageLayout) -> CoreImage:
-        """A fresh image in memory of its own (a core whose state no one adopts)."""
+        """A fresh image in memory of its own (a core whose state no one restores)."""
         return cls.create(bytearray(layout.size), layout)
 
     @classmethod

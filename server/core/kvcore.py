@@ -11,7 +11,7 @@ from kvmem.server.core import crash, prefix_step
 from kvmem.server.core import step as steps
 from kvmem.server.core.alloc import NO_ALLOCS, Allocator
 from kvmem.server.core.audit import audit
-from kvmem.server.core.batch import NO_INT32, StepBatch, StepResult
+from kvmem.server.core.batch import NO_INT32, StepBatch, StepOutcome
 from kvmem.server.core.config import AuditReport, CoreConfig, OwnerId, OwnerUsage, PoolStats
 from kvmem.server.core.events import AllCleared, CacheEvent
 from kvmem.server.core.handoff import Tickets
@@ -50,7 +50,7 @@ class KVCore:
 
     ``image`` (:class:`~kvmem.server.core.image.CoreImage`): the state image the
     owners write their facts into, in place, so that a later process can take the core
-    over (:func:`kvmem.server.core.adopt.adopt`); None (the default) keeps no image.
+    over (:func:`kvmem.server.core.restore.restore`); None (the default) keeps no image.
 
     Costs are stated per method: ``n`` items in a call, ``T`` tokens it allocates, ``P``
     pages it takes or drops. Nothing is proportional to ``num_pages`` except
@@ -135,14 +135,14 @@ class KVCore:
         return freed
 
     def install_quarantine(self, quarantine: dict[int, list[np.ndarray]]) -> None:
-        """An adopted state's quarantines, by owner (:mod:`.adopt`; the pool already
+        """A restored state's quarantines, by owner (:mod:`.restore`; the pool already
         counts their pages)."""
         self._quarantine = quarantine
         for owner, hold in quarantine.items():
             self.pool.mark_held(owner, hold)
 
     def owner_ids(self) -> list[int]:
-        """Every owner's index (an adopted core's are the last run's), the tickets' holder's not."""
+        """Every owner's index (a restored core's are the last run's), the tickets' holder's not."""
         return [o for o in self.slots.owners if o != self.tickets.holder_index]
 
     # --------------------------------------------------------------- hand-offs
@@ -174,7 +174,7 @@ class KVCore:
         return 0 if self.image is None or record < 0 else int(self.image.owner_seq[record])
 
     def install_seq(self, owner: int, seq: int) -> None:
-        """An adopted owner's last applied Step number (:mod:`.adopt`)."""
+        """A restored owner's last applied Step number (:mod:`.restore`)."""
         if self.image is not None:
             self.image.owner_seq[self.slots.owner(owner).record] = seq
 
@@ -196,7 +196,7 @@ class KVCore:
         All or nothing. O(n). Returns int32 slots in the order of ``request_ids``."""
         return self.slots.open(self.slots.owner(owner), request_ids)
 
-    def step(self, owner: int, batch: StepBatch, quota_pages: int | None = None, seq: int = 0) -> StepResult:
+    def step(self, owner: int, batch: StepBatch, quota_pages: int | None = None, seq: int = 0) -> StepOutcome:
         """One scheduler step: releases, then truncates, then cache items, then match
         items, then allocs (see :mod:`kvmem.server.core.prefix_step` for the prefix
         cache's part; an alloc that needs pages evicts cached ones when the free stack
@@ -235,9 +235,9 @@ class KVCore:
                     requests.count_evictions(state, evicted)
                 status, kv_loc, kv_off, pages, page_off, _ = fast
                 # nothing released or refused; no match, cache switch, insert or row change
-                result = StepResult(
+                result = StepOutcome(
                     status, kv_loc, kv_off, pages, page_off, 0, 0, NO_INT32, NO_INT32, 0, evicted, NO_INT32
-                )  # fmt: skip
+                )
                 self._finish()
                 return result
         undo = self.undo
@@ -261,7 +261,7 @@ class KVCore:
         if self.undo is not None:
             self.undo.commit(seq)
 
-    def _general(self, state: Owner, batch: StepBatch, quota_pages: int | None, prefix: bool) -> StepResult:
+    def _general(self, state: Owner, batch: StepBatch, quota_pages: int | None, prefix: bool) -> StepOutcome:
         """The general path of :meth:`step`: validate every item, then apply."""
         requests = self.slots
         rel, tr, al = batch.release_slots, batch.truncate_slots, batch.alloc_slots
@@ -311,10 +311,21 @@ class KVCore:
         if changed or lens.size:
             changed_rows = np.concatenate([np.array(changed, dtype=np.int64), ms[lens > 0]])
         status, kv_loc, kv_off, pages, page_off, refused = allocs
-        result = StepResult(
-            status, kv_loc, kv_off, pages, page_off, released, refused, lens, switched,
-            cache.num_inserted - inserted, evicted, changed_rows, handed,
-        )  # fmt: skip
+        result = StepOutcome(
+            status,
+            kv_loc,
+            kv_off,
+            pages,
+            page_off,
+            released,
+            refused,
+            lens,
+            switched,
+            cache.num_inserted - inserted,
+            evicted,
+            changed_rows,
+            handed,
+        )
         if adoption is not None:
             result.adopt_slots, result.adopt_lens, result.adopt_states = adoption
         self._finish()

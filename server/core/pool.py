@@ -212,7 +212,7 @@ class PagePool:
                 self._image.page_held_by[pages] = owner
 
     def install(self, ref_cnt: np.ndarray, free: np.ndarray, held: int) -> None:
-        """An adopted state (:mod:`.adopt`): the reference counts, the free stack (in
+        """A restored state (:mod:`.restore`): the reference counts, the free stack (in
         stack order, the top last) and how many pages quarantines hold. O(pool), once."""
         self._words.word[:] = ref_cnt.astype(np.int64)
         self._free[: free.size] = free

@@ -261,7 +261,7 @@ class PrefixCache:
         pages = self._q_page[self._head : self._tail]
         return pages[self.lru_seq[pages] == self._q_seq[self._head : self._tail]]
 
-    # ------------------------------------------------------------ adoption
+    # ------------------------------------------------------------- restore
 
     def install(
         self,
@@ -273,7 +273,7 @@ class PrefixCache:
         tokens: np.ndarray,
         evictable: np.ndarray,
     ) -> None:
-        """An adopted cache (:mod:`.adopt`): ``pages`` with their facts (checked there:
+        """A restored cache (:mod:`.restore`): ``pages`` with their facts (checked there:
         whole chains, distinct keys), and the evictable ones among them least recently
         used first. O(pages), once."""
         image = self._image

@@ -31,10 +31,12 @@ def raise_first_bad_slot(owner_of: np.ndarray, scratch: np.ndarray, owner: int, 
     raise_first(
         scratch[slots] != order,
         lambda i: KVMemError(
-            Reason.DUPLICATE_SLOT, f"{what}[{i}]: request slot {int(slots[i])} appears twice", index=i,
+            Reason.DUPLICATE_SLOT,
+            f"{what}[{i}]: request slot {int(slots[i])} appears twice",
+            index=i,
             slot=int(slots[i]),
         ),
-    )  # fmt: skip
+    )
     raise CorruptionError(f"{what}: the slot check refused slots it then found valid")
 
 

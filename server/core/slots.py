@@ -50,9 +50,13 @@ class RequestTable:
     2, 3, ... ``scratch`` is scratch per slot, for any check."""
 
     def __init__(
-        self, max_requests: int, table: BlockTable, pool: PagePool, image: CoreImage | None = None,
+        self,
+        max_requests: int,
+        table: BlockTable,
+        pool: PagePool,
+        image: CoreImage | None = None,
         undo: UndoLog | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.max_requests = max_requests
         self._undo = undo  # a Step's row entries, before it changes them (see .undo)
         self.table, self.pool = table, pool
@@ -125,7 +129,7 @@ class RequestTable:
         request_ids: list[str],
         free_order: np.ndarray,
     ) -> None:
-        """An adopted state (:mod:`.adopt`, which checked it): the owners ``(index,
+        """A restored state (:mod:`.restore`, which checked it): the owners ``(index,
         namespace)``, open ``slots`` with their owners, lengths, rows and ids, and the
         free slot stack (the top last). The pool's counts are installed apart. O(n *
         width), once."""

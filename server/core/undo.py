@@ -5,7 +5,7 @@ others, each written in place into the state image (:mod:`.image`) as it goes. B
 each change the owner that makes it writes what it overwrites into the image's undo
 record (:class:`UndoLog`); the Step is applied once its owner's ``owner_seq`` is set to
 the Step's number (:meth:`UndoLog.commit`, one word: the commit point). A process that
-adopts the image (:mod:`.adopt`) finds an undo record whose Step was not committed and
+restores the image (:mod:`.restore`) finds an undo record whose Step was not committed and
 puts back what it lists (:func:`undo`) before it reads the facts: the state is the one
 before the Step, as if it never came. A committed Step's record is stale: nothing to do.
 
@@ -24,7 +24,7 @@ after its entries, so a crash never leaves a count over entries not yet written)
   which no later item of the same Step does: cache items come before allocs).
 
 Pages need no record of their own: reference counts, the free stack and the key index
-are derived at adoption from the rows and the flags. The record's start (:meth:`begin`)
+are derived at a restore from the rows and the flags. The record's start (:meth:`begin`)
 clears ``undo_seq`` first and sets it last, so a record half written is no record. The
 LRU order is not put back (an order "good enough to evict by").
 
@@ -54,7 +54,7 @@ _ROWS, _ROW_WIDTH = _STATE_AT["undo_rows"], _STATE_AT["undo_row_width"]
 class UndoLog:
     """The writing side, over an image. ``active`` while a Step is being applied (between
     :meth:`begin` and :meth:`commit` or :meth:`abort`); the record calls do nothing
-    otherwise (a Detach's releases are no Step: adoption repairs a cut one)."""
+    otherwise (a Detach's releases are no Step: a restore repairs a cut one)."""
 
     def __init__(self, image: CoreImage) -> None:
         self.image = image
@@ -219,7 +219,7 @@ class PendingUndo:
 
 def pending(image: CoreImage) -> PendingUndo | None:
     """The image's undo record if its Step was not committed, else None. Counts out of
-    their arrays' bounds (a torn image) read as no record: adoption repairs the rest."""
+    their arrays' bounds (a torn image) read as no record: a restore repairs the rest."""
     ints = image.ints
     seq, record = int(ints[_SEQ]), int(ints[_RECORD])
     if seq <= 0 or not 0 <= record < image.owner_seq.size or int(image.owner_seq[record]) >= seq:
@@ -231,18 +231,32 @@ def pending(image: CoreImage) -> PendingUndo | None:
         counts, rows = (counts[0], 0, 0, 0, counts[4]), 0
     if not 0 <= rows <= image.undo_row_slot.size or not 0 <= width <= image.layout.width:
         return None
-    sizes = (image.undo_len.size, image.undo_word.size, image.undo_pos.size, image.undo_inserted.size,
-             image.undo_evicted.size)  # fmt: skip
+    sizes = (
+        image.undo_len.size,
+        image.undo_word.size,
+        image.undo_pos.size,
+        image.undo_inserted.size,
+        image.undo_evicted.size,
+    )
     if any(not 0 <= c <= s for c, s in zip(counts, sizes, strict=True)):
         return None
     n, k, e, i, v = counts
     slots = image.undo_len_slot[:n] // image.layout.width if decode else image.undo_len_slot[:n].copy()
     return PendingUndo(
-        record, seq, slots, image.undo_len[:n].copy(), image.undo_closed_slot[:k].copy(),
-        image.undo_word[:k].copy(), image.undo_rid_len[:k].copy(), image.undo_pos[:e].copy(),
-        image.undo_page[:e].copy(), image.undo_inserted[:i].copy(), image.undo_evicted[:v].copy(),
-        image.undo_row_slot[:rows].copy(), image.undo_row_pages[: rows * width].reshape(rows, width).copy(),
-    )  # fmt: skip
+        record,
+        seq,
+        slots,
+        image.undo_len[:n].copy(),
+        image.undo_closed_slot[:k].copy(),
+        image.undo_word[:k].copy(),
+        image.undo_rid_len[:k].copy(),
+        image.undo_pos[:e].copy(),
+        image.undo_page[:e].copy(),
+        image.undo_inserted[:i].copy(),
+        image.undo_evicted[:v].copy(),
+        image.undo_row_slot[:rows].copy(),
+        image.undo_row_pages[: rows * width].reshape(rows, width).copy(),
+    )
 
 
 def undo(

@@ -100,8 +100,12 @@ class RefusalLog:
                     self._first_lines_left -= 1
                     self._log.warning(
                         "refused %s from %s: %s: %s (repeats are summarised every %gs)",
-                        method, key[0], reason, _cut(message), self.interval_s,
-                    )  # fmt: skip
+                        method,
+                        key[0],
+                        reason,
+                        _cut(message),
+                        self.interval_s,
+                    )
                     return
         kind.pending += 1
         kind.message = message

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvmem.cli.version import version
-from kvmem.server.core import StepResult
+from kvmem.server.core import StepOutcome
 from kvmem.server.edge.guard import Guard, stream, unary
 from kvmem.server.edge.handlers import register
 from kvmem.server.edge.wire import carries_prefix, refused_step, stats_response, step_batch, step_response
@@ -126,7 +126,7 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
         sessions = self.sessions  # a property (NOT_READY before the pool exists): read once
         pool = sessions.core.pool
 
-        def answer(result: StepResult, seq: int) -> kvmem_pb2.StepResponse:
+        def answer(result: StepOutcome, seq: int) -> kvmem_pb2.StepResponse:
             return step_response(result, sessions.epoch, pool.num_free, prefix, seq)
 
         return sessions.step(request.session_id, batch, request.seq, answer)

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kvmem.server.core import CoreConfig, StepBatch, StepResult
+from kvmem.server.core import CoreConfig, StepBatch, StepOutcome
 from kvmem.server.core.batch import TokenLists
 from kvmem.server.errors import ErrorKind, KVMemError, Reason
 from kvmem.server.memory import HandleInfo, KVGeometry
@@ -257,7 +257,7 @@ def _prefix_columns(request: kvmem_pb2.StepRequest, batch: StepBatch) -> None:
 
 
 def step_response(
-    result: StepResult, epoch: str, num_free_pages: int, prefix: bool, seq: int = 0
+    result: StepOutcome, epoch: str, num_free_pages: int, prefix: bool, seq: int = 0
 ) -> kvmem_pb2.StepResponse:
     """The StepResponse of an applied step; the prefix-cache fields only where the request
     carried prefix items (``prefix``: :func:`carries_prefix`; a decode step's allocs may
@@ -353,8 +353,8 @@ def _origin(stats: ServerStats) -> kvmem_pb2.StateOrigin:
     origin = stats.origin
     if origin is None:
         return kvmem_pb2.StateOrigin(kind="fresh")
-    out = kvmem_pb2.StateOrigin(kind=origin.kind, adopt_ms=origin.adopt_ms)
-    a = origin.adoption
+    out = kvmem_pb2.StateOrigin(kind=origin.kind, adopt_ms=origin.restore_ms)
+    a = origin.restoration
     if a is not None:
         out.owners, out.requests, out.pages_in_rows = a.owners, a.requests, a.pages_in_rows
         out.cached_pages, out.quarantined_pages = a.cached_pages, a.quarantined_pages

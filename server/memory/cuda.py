@@ -119,10 +119,8 @@ class CudaBackend(MemoryBackend):
 
     def _share(self, tensor: torch.Tensor, name: str, rank: int, dtype: str) -> HandleInfo:
         assert tensor.is_contiguous() and tensor.storage_offset() == 0
-        (
-            device, ipc_handle, size_bytes, offset_bytes,
-            ref_counter, ref_offset, event_handle, event_sync,
-        ) = tensor.untyped_storage()._share_cuda_()  # fmt: skip
+        shared = tensor.untyped_storage()._share_cuda_()
+        device, ipc_handle, size_bytes, offset_bytes, ref_counter, ref_offset, event_handle, event_sync = shared
         info = CudaIpcInfo(
             device_uuid=device_uuid(device),
             ipc_handle=bytes(ipc_handle),

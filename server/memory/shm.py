@@ -232,17 +232,20 @@ class ShmBackend(MemoryBackend):
             self, _close_shm_files, (*sizes, self.lock_path), lock_fd, os.getpid(), keep is not None
         )
         try:
-            self.adopted = keep is not None and not discard and self._kept_files(sizes)
-            if not self.adopted:
+            self.reopened = keep is not None and not discard and self._kept_files(sizes)
+            if not self.reopened:
                 for path in sizes:  # a kept state discarded, or one half created before a crash
                     if _unlink_quietly(path) and discard:
                         log.warning("--discard-state: removed the kept %s", path)
                 # Checked in both modes: refused before fallocate, which on a file system without
                 # native support would write its way to ENOSPC.
                 self._check_space(self._needed)
-            maps = {path: self._map_existing(path, size) if self.adopted
-                    else self._create_and_map(path, size, reserve and path != self.log_path)
-                    for path, size in sizes.items()}  # fmt: skip
+            maps: dict[str, mmap.mmap] = {}
+            for path, size in sizes.items():
+                if self.reopened:
+                    maps[path] = self._map_existing(path, size)
+                else:
+                    maps[path] = self._create_and_map(path, size, reserve and path != self.log_path)
         except BaseException:
             self._finalizer()
             raise
@@ -294,7 +297,7 @@ class ShmBackend(MemoryBackend):
     @staticmethod
     def _kept_lock(directory: str, prefix: str, key: str) -> tuple[int, str]:
         """The lock of the kept state ``key``: taken, or refused while a running server
-        holds it (a live server's state is never adopted)."""
+        holds it (a live server's state is never restored)."""
         base = os.path.join(directory, f"{prefix}-{KEPT_PID}{key}")
         fd = os.open(base + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
@@ -308,7 +311,7 @@ class ShmBackend(MemoryBackend):
         return fd, base
 
     def _kept_files(self, sizes: dict[str, int]) -> bool:
-        """Whether a whole kept state is there to adopt. A file of another size than
+        """Whether a whole kept state is there to restore. A file of another size than
         this pool's is refused (another geometry), naming both sizes."""
         have = {path: os.stat(path).st_size for path in sizes if os.path.exists(path)}
         if len(have) < len(sizes):

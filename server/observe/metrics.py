@@ -139,9 +139,10 @@ class KVMemCollector(Collector):
             {**build_versions(), "prefix_hash": stats.prefix_hash},
         )
         yield InfoMetricFamily(
-            "kvmem", "This server: its epoch (changes at every start) and memory backend.",
+            "kvmem",
+            "This server: its epoch (changes at every start) and memory backend.",
             {"epoch": sessions.epoch, "memory_backend": self.memory_backend},
-        )  # fmt: skip
+        )
         geometry = GaugeMetricFamily("kvmem_pool_config", "The pool's geometry, as configured.", labels=["setting"])
         for setting, value in (
             ("page_size_tokens", cfg.page_size),
@@ -167,18 +168,22 @@ class KVMemCollector(Collector):
         yield slots
         yield GaugeMetricFamily("kvmem_sessions", "Attached sessions (scheduler workers).", len(stats.sessions))
         yield GaugeMetricFamily(
-            "kvmem_handoff_tickets", "Hand-off tickets open (requests handed off, not adopted yet; their slots "
-            'are open in kvmem_request_slots).', pool.num_handoff_tickets,
-        )  # fmt: skip
+            "kvmem_handoff_tickets",
+            "Hand-off tickets open (requests handed off, not adopted yet; their slots "
+            "are open in kvmem_request_slots).",
+            pool.num_handoff_tickets,
+        )
         yield GaugeMetricFamily(
-            "kvmem_handoff_pages", 'Page references the open hand-off tickets\' requests hold (counted in '
-            'kvmem_pages{state="used"}).', pool.num_handoff_pages,
-        )  # fmt: skip
+            "kvmem_handoff_pages",
+            'Page references the open hand-off tickets\' requests hold (counted in kvmem_pages{state="used"}).',
+            pool.num_handoff_pages,
+        )
         handoffs = CounterMetricFamily(
-            "kvmem_handoffs", "Requests handed off, by outcome so far: adopted, expired (not adopted within "
+            "kvmem_handoffs",
+            "Requests handed off, by outcome so far: adopted, expired (not adopted within "
             "--handoff-ms), given_up (released with the giver's session), or handed_off (all of them).",
             labels=["outcome"],
-        )  # fmt: skip
+        )
         for outcome, n in zip(("handed_off", "adopted", "expired", "given_up"), stats.handoffs, strict=True):
             handoffs.add_metric([outcome], n)
         yield handoffs
@@ -201,13 +206,15 @@ class KVMemCollector(Collector):
             "kvmem_session_quota_pages", "A session's page quota (sessions with one).", labels=labels
         )
         query = CounterMetricFamily(
-            "kvmem_session_prefix_query_tokens", "Tokens a session's match items asked the prefix cache for.",
+            "kvmem_session_prefix_query_tokens",
+            "Tokens a session's match items asked the prefix cache for.",
             labels=labels,
-        )  # fmt: skip
+        )
         hit = CounterMetricFamily(
-            "kvmem_session_prefix_hit_tokens", "Tokens a session's match items found in the prefix cache.",
+            "kvmem_session_prefix_hit_tokens",
+            "Tokens a session's match items found in the prefix cache.",
             labels=labels,
-        )  # fmt: skip
+        )
         evicted = CounterMetricFamily(
             "kvmem_session_prefix_evictions", "Cached pages a session's allocs evicted.", labels=labels
         )
@@ -227,32 +234,40 @@ class KVMemCollector(Collector):
         sessions = self.sessions
         yield GaugeMetricFamily("kvmem_uptime_seconds", "Seconds since the server started.", stats.uptime_s)
         origin = GaugeMetricFamily(
-            "kvmem_state_origin", "Where this run's state came from (1 for its kind: fresh, new or adopted).",
+            "kvmem_state_origin",
+            "Where this run's state came from (1 for its kind: fresh, new or adopted).",
             labels=["kind"],
-        )  # fmt: skip
+        )
         kind = stats.origin.kind if stats.origin is not None else "fresh"
         for name in ("fresh", "new", "adopted"):
             origin.add_metric([name], float(name == kind))
         yield origin
-        adopted = stats.origin.adoption if stats.origin is not None else None
+        restored = stats.origin.restoration if stats.origin is not None else None
         yield GaugeMetricFamily(
-            "kvmem_state_adopted_requests", "Open requests adopted from the last run's kept state.",
-            0 if adopted is None else adopted.requests,
-        )  # fmt: skip
+            "kvmem_state_adopted_requests",
+            "Open requests adopted from the last run's kept state.",
+            0 if restored is None else restored.requests,
+        )
         yield GaugeMetricFamily(
-            "kvmem_state_repairs", "Repairs adoption made to the last run's kept state (kinds of repair).",
-            0 if adopted is None else len(adopted.repaired),
-        )  # fmt: skip
+            "kvmem_state_repairs",
+            "Repairs adoption made to the last run's kept state (kinds of repair).",
+            0 if restored is None else len(restored.repaired),
+        )
         yield GaugeMetricFamily(
-            "kvmem_state_step_undone", "1 when adoption undid a Step the last run's crash cut, else 0.",
-            float(adopted is not None and bool(adopted.undone)),
-        )  # fmt: skip
+            "kvmem_state_step_undone",
+            "1 when adoption undid a Step the last run's crash cut, else 0.",
+            float(restored is not None and bool(restored.undone)),
+        )
         resumes = GaugeMetricFamily(
-            "kvmem_state_sessions", "The last run's sessions, by fate: resumed, waiting (within --resume-ms) or "
-            "ended (not resumed in time).", labels=["fate"],
-        )  # fmt: skip
-        for fate, n in (("resumed", stats.num_resumed), ("waiting", stats.num_dormant),
-                        ("ended", stats.num_not_resumed)):  # fmt: skip
+            "kvmem_state_sessions",
+            "The last run's sessions, by fate: resumed, waiting (within --resume-ms) or ended (not resumed in time).",
+            labels=["fate"],
+        )
+        for fate, n in (
+            ("resumed", stats.num_resumed),
+            ("waiting", stats.num_dormant),
+            ("ended", stats.num_not_resumed),
+        ):
             resumes.add_metric([fate], float(n))
         yield resumes
         yield CounterMetricFamily("kvmem_steps", "Steps applied (valid Step calls).", stats.num_steps)

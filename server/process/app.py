@@ -17,10 +17,10 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvmem.server.core import CoreConfig, KVCore
-from kvmem.server.core.adopt import Adoption, adopt, layout_for
 from kvmem.server.core.events import AllCleared, CacheEvent
 from kvmem.server.core.hashing import PageKeys
 from kvmem.server.core.image import CoreImage, ImageLayout, ImageMismatch
+from kvmem.server.core.restore import Restoration, layout_for, restore
 from kvmem.server.edge.guard import Guard
 from kvmem.server.edge.handlers import add_guarded
 from kvmem.server.edge.service import KVMemoryService, add_to_server, geometry_to_proto, handle_to_proto
@@ -69,8 +69,8 @@ class KVMemServer:
         self.zmq_publisher: Any = None  # kv_events_zmq.ZmqEventPublisher with --kv-events-zmq
         self._starting: grpc.aio.Server | None = None  # the gRPC server until start() succeeds
         self._layout: ImageLayout | None = None  # the state image's, with --keep-state
-        self.adoption: Adoption | None = None  # what was adopted from the kept state
-        self._adopt_ms = 0.0
+        self.restoration: Restoration | None = None  # what was restored from the kept state
+        self._restore_ms = 0.0
         self._socket_made = False  # start() may have created the unix socket file
 
     async def start(self) -> None:
@@ -93,21 +93,35 @@ class KVMemServer:
         kv_bytes = 0 if self.memory is None else kv_geometry.bytes_per_token * self.memory.num_tokens
         log.info(
             "pool: %d pages x %d tokens = %d tokens, %d bytes per token (%s %s, %d layers), KV %s on %s",
-            core_cfg.num_pages, core_cfg.page_size, (core_cfg.num_pages - 1) * core_cfg.page_size,
-            kv_geometry.bytes_per_token, kv_geometry.format, kv_geometry.dtype, kv_geometry.num_layers,
-            format_size(kv_bytes), "no memory" if self.memory is None else self.memory.name,
-        )  # fmt: skip
+            core_cfg.num_pages,
+            core_cfg.page_size,
+            (core_cfg.num_pages - 1) * core_cfg.page_size,
+            kv_geometry.bytes_per_token,
+            kv_geometry.format,
+            kv_geometry.dtype,
+            kv_geometry.num_layers,
+            format_size(kv_bytes),
+            "no memory" if self.memory is None else self.memory.name,
+        )
         assert self.sessions is not None
         log.info(
             "serving socket=%s tcp=%s max_requests=%d max_context=%d lease_ms=%d audit_every_step=%s epoch=%s",
-            cfg.socket_path, cfg.tcp, core_cfg.max_requests, core_cfg.max_context_len, int(cfg.lease_s * 1000),
-            cfg.audit_every_step, self.sessions.epoch,
-        )  # fmt: skip
+            cfg.socket_path,
+            cfg.tcp,
+            core_cfg.max_requests,
+            core_cfg.max_context_len,
+            int(cfg.lease_s * 1000),
+            cfg.audit_every_step,
+            self.sessions.epoch,
+        )
         log.info(
             "prefix cache %s hash=%s; kv events: replay buffer %d batches, zmq=%s replay=%s",
-            "on" if cfg.prefix_cache else "off (--no-prefix-cache)", page_keys.name, cfg.kv_events_buffer,
-            cfg.kv_events_zmq, cfg.kv_events_replay,
-        )  # fmt: skip
+            "on" if cfg.prefix_cache else "off (--no-prefix-cache)",
+            page_keys.name,
+            cfg.kv_events_buffer,
+            cfg.kv_events_zmq,
+            cfg.kv_events_replay,
+        )
 
     async def _allocate_waiting(self, pool: PoolSpec, devices: tuple[int, ...]) -> MemoryBackend | None:
         """The pool's memory; while it is not free (held by a crashed predecessor's
@@ -121,9 +135,12 @@ class KVMemServer:
             try:
                 layout = self._layout
                 memory = allocate(
-                    cfg, pool, devices, 0 if layout is None else layout.size,
+                    cfg,
+                    pool,
+                    devices,
+                    0 if layout is None else layout.size,
                     0 if layout is None else StepLog.size(layout.max_owners),
-                )  # fmt: skip
+                )
             except MemoryNotYet as exc:
                 left = deadline - loop.time()
                 if left <= 0:
@@ -174,8 +191,9 @@ class KVMemServer:
             except RuntimeError as exc:
                 raise StartupError(f"--tcp {cfg.tcp}: cannot listen ({grpc_reason(exc)})") from None
             if tls is not None:
-                log.info("--tcp %s: TLS (%s)", cfg.tcp, "client certificates required: --tls-client-ca"
-                         if tls.client_ca is not None else "no client certificates")  # fmt: skip
+                required = tls.client_ca is not None
+                certs = "client certificates required: --tls-client-ca" if required else "no client certificates"
+                log.info("--tcp %s: TLS (%s)", cfg.tcp, certs)
         old_umask = os.umask(0o177)
         try:
             await server.start()
@@ -214,13 +232,19 @@ class KVMemServer:
         log_buffer = getattr(self.memory, "step_log", None)
         steplog = None if log_buffer is None or self._layout is None else StepLog(log_buffer, self._layout.max_owners)
         self.sessions = Sessions(
-            core, cfg.lease_s, self.memory, quarantine_s=cfg.quarantine_s, max_sessions=cfg.max_sessions,
-            steplog=steplog, resume_s=cfg.resume_window_s, handoff_s=cfg.handoff_s,
-        )  # fmt: skip
-        if self.adoption is not None:  # the last run's sessions wait for their clients to resume them
+            core,
+            cfg.lease_s,
+            self.memory,
+            quarantine_s=cfg.quarantine_s,
+            max_sessions=cfg.max_sessions,
+            steplog=steplog,
+            resume_s=cfg.resume_window_s,
+            handoff_s=cfg.handoff_s,
+        )
+        if self.restoration is not None:  # the last run's sessions wait for their clients to resume them
             assert steplog is not None
-            self.sessions.origin = StateOrigin("adopted", self.adoption, self._adopt_ms)
-            self.sessions.adopt_sessions(self.adoption, steplog.answers())
+            self.sessions.origin = StateOrigin("adopted", self.restoration, self._restore_ms)
+            self.sessions.restore_sessions(self.restoration, steplog.answers())
         self.events = EventLog(
             self.sessions.epoch,
             core_cfg.page_size,
@@ -240,33 +264,37 @@ class KVMemServer:
 
     def _core(self, core_cfg: CoreConfig, page_keys: PageKeys) -> KVCore:
         """The core over the memory's block table; with --keep-state, over the kept
-        state image: the last run's adopted (checked, repaired, logged) when there is
+        state image: the last run's restored (checked, repaired, logged) when there is
         one, else a fresh one."""
         cfg = self.config
         block_table = None if self.memory is None else self.memory.block_table
-        options: dict[str, Any] = {"prefix_cache": cfg.prefix_cache, "page_keys": page_keys}
+        options: dict[str, Any] = {
+            "prefix_cache": cfg.prefix_cache,
+            "page_keys": page_keys,
+            "audit_every_step": cfg.audit_every_step,
+            "event_sink": self._publish_events,
+        }
         state = getattr(self.memory, "state", None)
         if state is None or self._layout is None:
-            return KVCore(core_cfg, block_table, audit_every_step=cfg.audit_every_step, event_sink=self._publish_events,
-                          **options)  # fmt: skip
+            return KVCore(core_cfg, block_table, **options)
         assert block_table is not None and self.memory is not None
-        if not getattr(self.memory, "adopted", False):
+        if not getattr(self.memory, "reopened", False):
             log.info("--keep-state: a new state in %s", self.memory.state_path)  # type: ignore[attr-defined]
-            return KVCore(core_cfg, block_table, audit_every_step=cfg.audit_every_step, event_sink=self._publish_events,
-                          image=CoreImage.create(state, self._layout), **options)  # fmt: skip
+            return KVCore(core_cfg, block_table, image=CoreImage.create(state, self._layout), **options)
         started = time.monotonic()
         try:
-            core, self.adoption = adopt(
-                core_cfg, block_table, state, audit_every_step=cfg.audit_every_step, event_sink=self._publish_events,
-                max_owners=self._layout.max_owners, **options,
-            )  # fmt: skip
+            core, self.restoration = restore(
+                core_cfg, block_table, state, max_owners=self._layout.max_owners, **options
+            )
         except ImageMismatch as exc:
             raise StartupError(f"--keep-state: {exc} (--discard-state drops it)") from None
-        self._adopt_ms = 1000 * (time.monotonic() - started)
+        self._restore_ms = 1000 * (time.monotonic() - started)
         log.info(
-            "--keep-state: %s, in %.0f ms from %s", self.adoption.describe(), self._adopt_ms,
+            "--keep-state: %s, in %.0f ms from %s",
+            self.restoration.describe(),
+            self._restore_ms,
             self.memory.state_path,  # type: ignore[attr-defined]
-        )  # fmt: skip
+        )
         return core
 
     def _publish_events(self, events: list[CacheEvent]) -> None:

@@ -41,18 +41,43 @@ def add_parser(sub: Any, name: str = "serve") -> None:
     serve.add_argument("--version", action=VersionAction)
     listen = serve.add_argument_group("listening")
     option(listen, "--socket", DEFAULT_SOCKET, "unix socket path to listen on; 'none' to disable")
-    option(listen, "--socket-mode", "0600", "who may connect and map the KV memory: 0600 (the server's user) or 0660 "
-         "(also its group); the socket and the shm files alike", octal)  # fmt: skip
-    option(listen, "--group", None, "with --socket-mode 0660: the group (name or number) given the socket and the shm "
-         "files, so an engine running as another user of that group can attach")  # fmt: skip
+    option(
+        listen,
+        "--socket-mode",
+        "0600",
+        "who may connect and map the KV memory: 0600 (the server's user) or 0660 "
+        "(also its group); the socket and the shm files alike",
+        octal,
+    )
+    option(
+        listen,
+        "--group",
+        None,
+        "with --socket-mode 0660: the group (name or number) given the socket and the shm "
+        "files, so an engine running as another user of that group can attach",
+    )
     option(listen, "--tcp", None, "also listen on TCP HOST:PORT (loopback unless --auth-token is set)", address)
-    option(listen, "--auth-token", None, "bearer token TCP clients must send (required beyond loopback, with TLS "
-         "or without)")  # fmt: skip
-    option(listen, "--tls-cert", None, "PEM certificate (chain) of the --tcp port: TLS on it, with --tls-key; the "
-         "unix socket stays plaintext (mode 0600)")  # fmt: skip
+    option(
+        listen,
+        "--auth-token",
+        None,
+        "bearer token TCP clients must send (required beyond loopback, with TLS or without)",
+    )
+    option(
+        listen,
+        "--tls-cert",
+        None,
+        "PEM certificate (chain) of the --tcp port: TLS on it, with --tls-key; the "
+        "unix socket stays plaintext (mode 0600)",
+    )
     option(listen, "--tls-key", None, "PEM private key (unencrypted) of --tls-cert")
-    option(listen, "--tls-client-ca", None, "with --tls-cert: require TCP clients to present a certificate signed by "
-         "a CA in this PEM file (mutual TLS; the bearer token is still required beyond loopback)")  # fmt: skip
+    option(
+        listen,
+        "--tls-client-ca",
+        None,
+        "with --tls-cert: require TCP clients to present a certificate signed by "
+        "a CA in this PEM file (mutual TLS; the bearer token is still required beyond loopback)",
+    )
     option(
         listen,
         "--metrics",
@@ -61,21 +86,45 @@ def add_parser(sub: Any, name: str = "serve") -> None:
         "port 0 picks a free one and logs it); no authentication, so pick the interface",
         address,
     )
-    option(listen, "--health-port", None, "also serve grpc.health.v1, and only it, on this TCP port of every interface "
-         "(no token: for kubelet's gRPC probes; kvmem's service stays on the socket)", integer(1))  # fmt: skip
+    option(
+        listen,
+        "--health-port",
+        None,
+        "also serve grpc.health.v1, and only it, on this TCP port of every interface "
+        "(no token: for kubelet's gRPC probes; kvmem's service stays on the socket)",
+        integer(1),
+    )
     pool = serve.add_argument_group("pool geometry")
     option(pool, "--page-size", 16, "tokens per page", integer(1))
-    option(pool, "--num-pages", 4096, "pages in the pool, including the padding page 0",
-         integer(2, why=" (page 0 is padding)"))  # fmt: skip
-    option(pool, "--memory", None, "KV memory budget per device (e.g. 40GiB, 512MiB): the largest page count "
-         "that fits, after the block table; replaces --num-pages", _size)  # fmt: skip
+    option(
+        pool,
+        "--num-pages",
+        4096,
+        "pages in the pool, including the padding page 0",
+        integer(2, why=" (page 0 is padding)"),
+    )
+    option(
+        pool,
+        "--memory",
+        None,
+        "KV memory budget per device (e.g. 40GiB, 512MiB): the largest page count "
+        "that fits, after the block table; replaces --num-pages",
+        _size,
+    )
     option(pool, "--max-requests", 256, "request slots (concurrently open requests)", integer(1))
     option(pool, "--max-context", 8192, "longest request, in tokens", integer(1))
     mem = serve.add_argument_group("KV memory (the model's KV geometry and where the KV cache lives)")
-    option(mem, "--device", "cpu", "cpu (POSIX shared memory), cuda:N (one GPU, CUDA IPC) or none (no KV memory)",
-         device)  # fmt: skip
-    option(mem, "--devices", None, "comma-separated GPU indices for tensor-parallel ranks (e.g. 0,1): one KV "
-         "allocation per GPU, one page-id space; implies cuda", _devices)  # fmt: skip
+    option(
+        mem, "--device", "cpu", "cpu (POSIX shared memory), cuda:N (one GPU, CUDA IPC) or none (no KV memory)", device
+    )
+    option(
+        mem,
+        "--devices",
+        None,
+        "comma-separated GPU indices for tensor-parallel ranks (e.g. 0,1): one KV "
+        "allocation per GPU, one page-id space; implies cuda",
+        _devices,
+    )
     option(mem, "--shm-dir", "/dev/shm", "directory of the shared-memory files (cpu device)")
     option(mem, "--format", "mha", "mha (K and V per layer) or mla (one latent vector per token)", _format)
     option(mem, "--layers", 2, "transformer layers", integer(1))
@@ -85,13 +134,29 @@ def add_parser(sub: Any, name: str = "serve") -> None:
     option(mem, "--rope-dim", 64, "rotary dimension stored beside the latent (mla)", integer(0))
     option(mem, "--dtype", "bfloat16", "KV element type: bfloat16, float16, float32 or float8_e4m3fn", _dtype)
     sessions = serve.add_argument_group("sessions")
-    option(sessions, "--max-sessions", 1024, "sessions attached at once; one more is refused (RESOURCE_EXHAUSTED, "
-         "TOO_MANY_SESSIONS)", integer(1))  # fmt: skip
-    option(sessions, "--lease-ms", 10000, "a session that makes no call or keep-alive for this long ends",
-         integer(1, "milliseconds"))  # fmt: skip
-    option(sessions, "--quarantine-ms", None, "how long the pages of a session whose lease lapsed while it was still "
-         "connected stay out of use, unless its connection closes first (a stopped process may wake up and write "
-         "into them); none: six leases", integer(0, "milliseconds"))  # fmt: skip
+    option(
+        sessions,
+        "--max-sessions",
+        1024,
+        "sessions attached at once; one more is refused (RESOURCE_EXHAUSTED, TOO_MANY_SESSIONS)",
+        integer(1),
+    )
+    option(
+        sessions,
+        "--lease-ms",
+        10000,
+        "a session that makes no call or keep-alive for this long ends",
+        integer(1, "milliseconds"),
+    )
+    option(
+        sessions,
+        "--quarantine-ms",
+        None,
+        "how long the pages of a session whose lease lapsed while it was still "
+        "connected stay out of use, unless its connection closes first (a stopped process may wake up and write "
+        "into them); none: six leases",
+        integer(0, "milliseconds"),
+    )
     keep = sessions.add_argument(
         "--keep-state",
         action="store_true",
@@ -110,24 +175,55 @@ def add_parser(sub: Any, name: str = "serve") -> None:
         "KVMEM_DISCARD_STATE)",
     )
     setattr(drop, ENV_SPEC, ("KVMEM_DISCARD_STATE", False, switch))
-    option(sessions, "--resume-ms", None, "with --keep-state: how long after a restart the last run's sessions may "
-         "resume (their clients re-attach by themselves, with their requests, rows and K/V as they were); one not "
-         "resumed by then ends as a lapsed lease ends; none: three leases", integer(0, "milliseconds"))  # fmt: skip
-    option(sessions, "--handoff-ms", 30000, "how long a request handed off (a Step's hand-off item) waits for a "
-         "session to adopt its ticket; one not adopted by then is released as a release would release it",
-         integer(1, "milliseconds"))  # fmt: skip
-    option(sessions, "--drain-ms", 1000, "after SIGTERM (readiness NOT_SERVING, no new sessions), how long attached "
-         "sessions may go on stepping before the server ends them; it stops sooner once all have detached",
-         integer(0, "milliseconds"))  # fmt: skip
-    option(sessions, "--shutdown-grace-ms", 500, "after the drain, how long calls still in flight may run before they "
-         "are cancelled", integer(0, "milliseconds"))  # fmt: skip
-    option(pool, "--start-timeout-ms", 120000, "while the pool's memory is held elsewhere (a crashed server's "
-         "allocation that clients still map), how long to wait for it, live but not ready, before giving up",
-         integer(0, "milliseconds"))  # fmt: skip
+    option(
+        sessions,
+        "--resume-ms",
+        None,
+        "with --keep-state: how long after a restart the last run's sessions may "
+        "resume (their clients re-attach by themselves, with their requests, rows and K/V as they were); one not "
+        "resumed by then ends as a lapsed lease ends; none: three leases",
+        integer(0, "milliseconds"),
+    )
+    option(
+        sessions,
+        "--handoff-ms",
+        30000,
+        "how long a request handed off (a Step's hand-off item) waits for a "
+        "session to adopt its ticket; one not adopted by then is released as a release would release it",
+        integer(1, "milliseconds"),
+    )
+    option(
+        sessions,
+        "--drain-ms",
+        1000,
+        "after SIGTERM (readiness NOT_SERVING, no new sessions), how long attached "
+        "sessions may go on stepping before the server ends them; it stops sooner once all have detached",
+        integer(0, "milliseconds"),
+    )
+    option(
+        sessions,
+        "--shutdown-grace-ms",
+        500,
+        "after the drain, how long calls still in flight may run before they are cancelled",
+        integer(0, "milliseconds"),
+    )
+    option(
+        pool,
+        "--start-timeout-ms",
+        120000,
+        "while the pool's memory is held elsewhere (a crashed server's "
+        "allocation that clients still map), how long to wait for it, live but not ready, before giving up",
+        integer(0, "milliseconds"),
+    )
     _add_prefix_options(serve)
     option(serve, "--log-level", "info", "debug, info, warning or error", one_of("debug", "info", "warning", "error"))
-    option(serve, "--log-format", "text", "text (one line a record) or json (one JSON object a line: ts, level, "
-         "logger, message, exception)", one_of(*LOG_FORMATS))  # fmt: skip
+    option(
+        serve,
+        "--log-format",
+        "text",
+        "text (one line a record) or json (one JSON object a line: ts, level, logger, message, exception)",
+        one_of(*LOG_FORMATS),
+    )
     debug = serve.add_argument(
         "--debug-audit",
         action="store_true",
@@ -156,22 +252,52 @@ def _add_prefix_options(serve: argparse.ArgumentParser) -> None:
         "(default: the cache is on; env KVMEM_NO_PREFIX_CACHE)",
     )
     setattr(off, ENV_SPEC, ("KVMEM_NO_PREFIX_CACHE", False, switch))
-    option(prefix, "--prefix-hash", "xxh3-128", "how a page's key is computed from its parent's key, its tokens and "
-         "the namespace: xxh3-128 (fast) or vllm-sha256-cbor (vLLM's sha256_cbor block hashes, about 30x slower: "
-         "use it when a router recomputes vLLM's keys from a request's tokens, e.g. llm-d)",
-         one_of(*PREFIX_HASHES))  # fmt: skip
-    option(prefix, "--prefix-hash-seed", None, "vllm-sha256-cbor only: the PYTHONHASHSEED of the vLLM deployment "
-         "whose keys to equal (vLLM seeds its first block's parent with it)")  # fmt: skip
-    option(prefix, "--kv-events-buffer", 4096, "event batches (one per step that changed the cache) kept for replay: "
-         "a watcher that falls further behind gets a snapshot instead; also the ZMQ replay buffer",
-         integer(1, "batches"))  # fmt: skip
-    option(prefix, "--kv-events-zmq", None, "also publish the events in vLLM's KV-event format (msgpack batches "
-         "of BlockStored, BlockRemoved, AllBlocksCleared) on this ZMQ PUB endpoint, e.g. tcp://*:5557, so routers "
-         "that read vLLM's events (llm-d, Dynamo) need no change; needs pip install 'kvmem[events]'")  # fmt: skip
-    option(prefix, "--kv-events-replay", None, "with --kv-events-zmq: the ZMQ ROUTER endpoint that replays "
-         "buffered batches from a sequence number, e.g. tcp://*:5558")  # fmt: skip
-    option(prefix, "--kv-events-topic", None, "with --kv-events-zmq: the topic of the published messages (the "
-         "first frame of each; none: empty, which every subscriber receives)")  # fmt: skip
+    option(
+        prefix,
+        "--prefix-hash",
+        "xxh3-128",
+        "how a page's key is computed from its parent's key, its tokens and "
+        "the namespace: xxh3-128 (fast) or vllm-sha256-cbor (vLLM's sha256_cbor block hashes, about 30x slower: "
+        "use it when a router recomputes vLLM's keys from a request's tokens, e.g. llm-d)",
+        one_of(*PREFIX_HASHES),
+    )
+    option(
+        prefix,
+        "--prefix-hash-seed",
+        None,
+        "vllm-sha256-cbor only: the PYTHONHASHSEED of the vLLM deployment "
+        "whose keys to equal (vLLM seeds its first block's parent with it)",
+    )
+    option(
+        prefix,
+        "--kv-events-buffer",
+        4096,
+        "event batches (one per step that changed the cache) kept for replay: "
+        "a watcher that falls further behind gets a snapshot instead; also the ZMQ replay buffer",
+        integer(1, "batches"),
+    )
+    option(
+        prefix,
+        "--kv-events-zmq",
+        None,
+        "also publish the events in vLLM's KV-event format (msgpack batches "
+        "of BlockStored, BlockRemoved, AllBlocksCleared) on this ZMQ PUB endpoint, e.g. tcp://*:5557, so routers "
+        "that read vLLM's events (llm-d, Dynamo) need no change; needs pip install 'kvmem[events]'",
+    )
+    option(
+        prefix,
+        "--kv-events-replay",
+        None,
+        "with --kv-events-zmq: the ZMQ ROUTER endpoint that replays "
+        "buffered batches from a sequence number, e.g. tcp://*:5558",
+    )
+    option(
+        prefix,
+        "--kv-events-topic",
+        None,
+        "with --kv-events-zmq: the topic of the published messages (the "
+        "first frame of each; none: empty, which every subscriber receives)",
+    )
 
 
 def _size(raw: str) -> str:

@@ -88,7 +88,7 @@ class ServerConfig:
     dtype: str = "bfloat16"
     audit_every_step: bool = False  # the full audit after every step (tests, debugging)
     keep_state: bool = False  # keep the KV memory and the core's state across restarts (shm)
-    discard_state: bool = False  # with keep_state: drop a kept state instead of adopting it
+    discard_state: bool = False  # with keep_state: drop a kept state instead of restoring it
     resume_s: float | None = None  # with keep_state: how long the last run's sessions may resume; None: 3 leases
     handoff_s: float = 30.0  # how long a hand-off ticket waits to be adopted
     # The prefix cache and its events.
@@ -107,9 +107,15 @@ class ServerConfig:
 
     def geometry(self) -> KVGeometry:
         return KVGeometry(
-            self.kv_format, self.num_layers, self.num_kv_heads, self.head_dim, self.kv_lora_rank, self.rope_dim,
-            self.dtype, self.page_size,
-        )  # fmt: skip
+            self.kv_format,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_lora_rank,
+            self.rope_dim,
+            self.dtype,
+            self.page_size,
+        )
 
     def cuda_devices(self) -> tuple[int, ...]:
         """The GPUs of the cuda backend; () for shm or no memory."""
@@ -182,9 +188,15 @@ def allocate(
         keep = kept_key(cfg.socket_path, cfg.tcp) if cfg.keep_state else None
         try:
             return ShmBackend(
-                pool, cfg.shm_dir, mode=cfg.socket_mode, gid=access_gid(cfg), keep=keep,
-                discard=cfg.discard_state, state_bytes=state_bytes, log_bytes=log_bytes,
-            )  # fmt: skip
+                pool,
+                cfg.shm_dir,
+                mode=cfg.socket_mode,
+                gid=access_gid(cfg),
+                keep=keep,
+                discard=cfg.discard_state,
+                state_bytes=state_bytes,
+                log_bytes=log_bytes,
+            )
         except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
             raise StartupError(f"--shm-dir {cfg.shm_dir}: {exc}") from None
     except MemoryUnavailable as exc:
@@ -274,8 +286,9 @@ def _check_tcp(address: str, auth_token: str | None, tls: bool = False) -> None:
     if not loopback and not tls:
         log.warning(
             "--tcp %s listens beyond loopback without TLS: the bearer token and every call cross the network in "
-            "plaintext; set --tls-cert and --tls-key", address,
-        )  # fmt: skip
+            "plaintext; set --tls-cert and --tls-key",
+            address,
+        )
 
 
 def plan_tls(cfg: ServerConfig) -> ServerTLS | None:

@@ -75,8 +75,11 @@ def load(cfg: ServerConfig) -> ServerTLS | None:
     (or the reverse), --tls-client-ca without them, a file that cannot be read, no
     certificate, a key that is not a PEM private key, is encrypted, or does not match
     the certificate."""
-    given = [(o, v) for o, v in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key),
-                                 ("--tls-client-ca", cfg.tls_client_ca)) if v is not None]  # fmt: skip
+    given = [
+        (o, v)
+        for o, v in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--tls-client-ca", cfg.tls_client_ca))
+        if v is not None
+    ]
     if not given:
         return None
     if cfg.tcp is None:

@@ -23,7 +23,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from kvmem.server.core import AllocStatus, CoreConfig, KVCore, OwnerUsage, PagePool, PoolStats, StepBatch, StepResult
+from kvmem.server.core import AllocStatus, CoreConfig, KVCore, OwnerUsage, PagePool, PoolStats, StepBatch, StepOutcome
 from kvmem.server.errors import CorruptionError, ErrorKind, KVMemError, Reason
 from kvmem.server.sessions import Sessions
 from core_state import snapshot
@@ -72,25 +72,25 @@ def assert_audit(core: KVCore) -> None:
     )
 
 
-def step(core: KVCore, owner: int, quota_pages: int | None = None, **columns) -> StepResult:
+def step(core: KVCore, owner: int, quota_pages: int | None = None, **columns) -> StepOutcome:
     """One step of ``owner``: ``columns`` (and ``atomic``) as :meth:`StepBatch.of` takes
     them, so a bad column raises BAD_VALUE from here exactly as the core's step would."""
     return core.step(owner, StepBatch.of(**columns), quota_pages)
 
 
-def alloc(core: KVCore, owner: int, slots, needs, quota_pages: int | None = None, **kw) -> StepResult:
+def alloc(core: KVCore, owner: int, slots, needs, quota_pages: int | None = None, **kw) -> StepOutcome:
     return step(core, owner, quota_pages, alloc_slots=slots, alloc_needs=needs, **kw)
 
 
-def statuses(res: StepResult) -> list[AllocStatus]:
+def statuses(res: StepOutcome) -> list[AllocStatus]:
     return [AllocStatus(int(s)) for s in res.alloc_status]
 
 
-def kv_of(res: StepResult, i: int) -> list[int]:
+def kv_of(res: StepOutcome, i: int) -> list[int]:
     return res.kv_loc[res.kv_loc_offsets[i] : res.kv_loc_offsets[i + 1]].tolist()
 
 
-def pages_of(res: StepResult, i: int) -> list[int]:
+def pages_of(res: StepOutcome, i: int) -> list[int]:
     return res.new_pages[res.new_page_offsets[i] : res.new_page_offsets[i + 1]].tolist()
 
 
@@ -98,7 +98,7 @@ def row(core: KVCore, slot: int) -> list[int]:
     return core.block_table[slot].tolist()
 
 
-def check_result_types(res: StepResult, n: int) -> None:
+def check_result_types(res: StepOutcome, n: int) -> None:
     assert res.alloc_status.dtype == np.int8 and res.alloc_status.shape == (n,)
     assert res.kv_loc.dtype == np.int32
     assert res.kv_loc_offsets.dtype == np.int32 and res.kv_loc_offsets.shape == (n + 1,)

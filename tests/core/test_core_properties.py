@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from kvmodel import HOLDER, Answer, KVModel, Request, Step
 
-from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PagePool, StepBatch, StepResult
+from kvmem.server.core import AllocStatus, CoreConfig, KVCore, PagePool, StepBatch, StepOutcome
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
 
 OWNERS = ("o0", "o1", "o2")
@@ -62,7 +62,7 @@ def assert_same_snapshot(before: dict, after: dict) -> None:
             assert after[key] == value, key
 
 
-def step(core: KVCore, owner: int, quota_pages: int | None, **columns) -> StepResult:
+def step(core: KVCore, owner: int, quota_pages: int | None, **columns) -> StepOutcome:
     """A step with ``columns`` (and ``atomic``) as :meth:`StepBatch.of` takes them: a bad
     column raises BAD_VALUE from here, as the core's step did from its arguments."""
     return core.step(owner, StepBatch.of(**columns), quota_pages)

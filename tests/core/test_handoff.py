@@ -14,10 +14,10 @@ import pytest
 from core_state import cut_everywhere, snapshot
 
 from kvmem.server.core import CoreConfig, KVCore, StepBatch
-from kvmem.server.core.adopt import adopt, layout_for
 from kvmem.server.core.handoff import MAX_STATE_BYTES, ticket_slot
 from kvmem.server.core.image import CoreImage
 from kvmem.server.core.pool import PagePool
+from kvmem.server.core.restore import layout_for, restore
 from kvmem.server.core.slots import RequestTable
 from kvmem.server.errors import KVMemError, Reason
 
@@ -200,7 +200,7 @@ def test_a_restart_releases_tickets_not_adopted_and_keeps_everything_else() -> N
     keep = running(core, a, "keep", 6)
     (t1,) = core.step(a, StepBatch.of(handoff=[running(core, a, "dup", 8)])).tickets
     core.step(b, StepBatch.of(handoff=[running(core, b, "dup", 8)]))  # the same request id twice in the holder
-    new, report = adopt(CFG, core.block_table.copy(), buf, audit_every_step=True)
+    new, report = restore(CFG, core.block_table.copy(), buf, audit_every_step=True)
     assert report.repaired == ("2 hand-off ticket(s) not adopted released (not kept)",), report
     assert sorted(s.owner for s in report.sessions) == [a, b] and report.requests == 1
     assert new.slots_of(a).tolist() == [keep] and new.stats().num_used_pages == 2
@@ -211,8 +211,8 @@ def test_a_restart_releases_tickets_not_adopted_and_keeps_everything_else() -> N
 
 def test_a_numbered_step_that_hands_off_or_adopts_is_undone_whole_by_a_crash() -> None:
     """Numbered Steps that hand off (with a truncate) and adopt (with a decode) are cut
-    between any two of the owners' changes and at each crash point: each cut adopts to
-    exactly what the image before the Step adopts to."""
+    between any two of the owners' changes and at each crash point: each cut restores to
+    exactly what the image before the Step restores to."""
 
     layout = layout_for(CFG)
     buf = bytearray(layout.size)
@@ -249,12 +249,12 @@ def test_a_numbered_step_that_hands_off_or_adopts_is_undone_whole_by_a_crash() -
     undone = 0
     cuts = [c for c in cuts if c[1]]  # the set-up's (unnumbered) changes are no Step's
     for where, n, image, rows in cuts:
-        new, report = adopt(CFG, rows.copy(), bytearray(image), audit_every_step=True)
-        base, _ = adopt(CFG, starts[n][1].copy(), bytearray(starts[n][0]), audit_every_step=True)
+        new, report = restore(CFG, rows.copy(), bytearray(image), audit_every_step=True)
+        base, _ = restore(CFG, starts[n][1].copy(), bytearray(starts[n][0]), audit_every_step=True)
         undone += bool(report.undone)
         assert new.audit().ok, (where, n, report)
         assert _plain(snapshot(new)) == _plain(snapshot(base)), (where, n, report)
     assert undone >= len(cuts) - 6, (undone, len(cuts))  # cuts before a Step's first change undo nothing
-    new, report = adopt(CFG, core.block_table.copy(), bytearray(buf), audit_every_step=True)
+    new, report = restore(CFG, core.block_table.copy(), bytearray(buf), audit_every_step=True)
     assert report.undone == "" and sorted(new.slots_of(b).tolist()) == sorted([s1, s2, d])
     assert new.alloced_len(b, s1) == 17 and new.alloced_len(b, s2) == 5

@@ -56,9 +56,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvmodel import Answer, Effects, KVModel, Removed, Request, Step, Stored
 
 from kvmem.server.core import CoreConfig, KVCore, StepBatch
-from kvmem.server.core.adopt import adopt, layout_for
 from kvmem.server.core.events import AllCleared, CacheEvent, PagesRemoved, PagesStored
 from kvmem.server.core.image import CoreImage
+from kvmem.server.core.restore import layout_for, restore
 from kvmem.server.errors import KVMemError, Reason
 
 OWNERS = ("o0", "o1", "o2")
@@ -161,7 +161,7 @@ class PrefixMachine(RuleBasedStateMachine):
         self.width = self.cfg.max_pages_per_request
         self.enabled = enabled
         self.sink: list[list[CacheEvent]] = []
-        self.image = bytearray(layout_for(self.cfg).size)  # the state image a restart adopts
+        self.image = bytearray(layout_for(self.cfg).size)  # the state image a restart restores
         self.core = KVCore(
             self.cfg, audit_every_step=True, prefix_cache=enabled, event_sink=self.sink.append,
             image=CoreImage.create(self.image, layout_for(self.cfg)),
@@ -630,11 +630,11 @@ class PrefixMachine(RuleBasedStateMachine):
 
     @rule()
     def restart(self) -> None:
-        """The server restarts: a new core adopts the old one's state image and block
+        """The server restarts: a new core restores the old one's state image and block
         table (a clean state: nothing to repair); the model goes on unchanged but for
         the counters since start."""
         old = self.core
-        core, report = adopt(
+        core, report = restore(
             self.cfg, old.block_table, self.image, prefix_cache=self.enabled, audit_every_step=True,
             event_sink=self.sink.append,
         )  # fmt: skip

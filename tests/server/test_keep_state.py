@@ -158,7 +158,7 @@ def test_a_state_a_running_server_holds_is_never_adopted() -> None:
         ShmBackend(pool, directory, keep="00112233aabbccdd", state_bytes=4096)
     first.close()
     second = ShmBackend(pool, directory, keep="00112233aabbccdd", state_bytes=4096)
-    assert second.adopted and second.state is not None
+    assert second.reopened and second.state is not None
     second.close()
 
 

@@ -1,9 +1,9 @@
-"""Adopting a core from its state image (``kvmem.server.core.adopt``): a state cut between
+"""Restoring a core from its state image (``kvmem.server.core.restore``): a state cut between
 any two of the owners' changes inside a Step comes back consistent (the audit clean, no
 page lost or held twice); torn states are repaired and the repairs named; an image of
 another geometry, not an image at all, or truncated is refused in one line and
 changes nothing (a state a running server holds: ``tests/server/test_keep_state.py``). (The state machine of
-``test_prefix_properties.py`` restarts its core through :func:`adopt` at random points
+``test_prefix_properties.py`` restarts its core through :func:`restore` at random points
 and checks that nothing the model sees changes.)"""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 from core_state import cut_everywhere
 
 from kvmem.server.core import CoreConfig, KVCore, StepBatch
-from kvmem.server.core.adopt import adopt, layout_for
 from kvmem.server.core.image import CoreImage, ImageMismatch
 from kvmem.server.core.pool import PagePool
 from kvmem.server.core.prefix import PrefixCache
+from kvmem.server.core.restore import layout_for, restore
 from kvmem.server.core.slots import RequestTable
 
 CFG = CoreConfig(num_pages=40, page_size=4, max_requests=8, max_context_len=64)
@@ -49,7 +49,7 @@ def test_a_clean_state_comes_back_whole() -> None:
     core, buf = fresh()
     o, (b, c) = busy(core)
     before = (core.block_table.copy(), core.slots.alloced.copy(), core.pool.ref_cnt.copy(), core.stats())
-    new, report = adopt(CFG, core.block_table, buf, audit_every_step=True)
+    new, report = restore(CFG, core.block_table, buf, audit_every_step=True)
     assert report.repaired == () and (report.owners, report.requests, report.quarantined_pages) == (1, 2, 2), report
     assert report.cached_pages == 6 and "nothing to repair" in report.describe()
     np.testing.assert_array_equal(new.block_table, before[0])
@@ -69,7 +69,7 @@ def test_a_clean_state_comes_back_whole() -> None:
 def test_a_state_cut_between_any_two_changes_of_a_step_comes_back_consistent() -> None:
     """Every change the owners make in these Steps (a release with tokens, a match and
     an alloc, a cache item, an alloc that evicts, a truncate) is cut off in turn: the
-    image and rows as they were at that instant are adopted, and the audit is clean."""
+    image and rows as they were at that instant are restored, and the audit is clean."""
     core, buf = fresh(CoreConfig(num_pages=16, page_size=4, max_requests=8, max_context_len=64))
     cuts: list[tuple[str, bytes, np.ndarray]] = []
 
@@ -107,7 +107,7 @@ def test_a_state_cut_between_any_two_changes_of_a_step_comes_back_consistent() -
     for where, image, rows in cuts:
         back = bytearray(image)
         table = rows.copy()
-        new, report = adopt(core.config, table, back, audit_every_step=True)
+        new, report = restore(core.config, table, back, audit_every_step=True)
         assert new.audit().ok, (where, report)
         stats = new.stats()
         assert stats.num_free_pages + stats.num_cached_pages + stats.num_used_pages + stats.num_quarantined_pages == 15
@@ -126,7 +126,7 @@ def test_a_torn_state_is_repaired_and_each_repair_named() -> None:
     table[x, 0] = other
     cached = np.flatnonzero(image.page_cached).tolist()
     image.page_parent[cached[2]] = 0  # a chain broken in its middle: pages 2.. of it go
-    new, report = adopt(CFG, table, buf, audit_every_step=True)
+    new, report = restore(CFG, table, buf, audit_every_step=True)
     text = report.describe()
     for words in ("of broken chains uncached", "closed", "cut to the pages their rows hold", "past their requests"):
         assert words in text, text
@@ -140,7 +140,7 @@ def test_a_page_in_two_rows_stays_in_the_first_only() -> None:
     a, b = core.open(o, ["a", "b"]).tolist()
     core.step(o, StepBatch.of(alloc_slots=[a, b], alloc_needs=[8, 8]))
     core.block_table[b, 1] = core.block_table[a, 0]  # torn: b's second page is a's first
-    new, report = adopt(CFG, core.block_table, buf, audit_every_step=True)
+    new, report = restore(CFG, core.block_table, buf, audit_every_step=True)
     assert "cut before a page another row holds" in report.describe() and new.slots.alloced[b] == 4
     assert new.audit().ok
 
@@ -160,7 +160,7 @@ def test_what_is_not_an_image_is_refused_and_left_alone(spoil, words: str) -> No
     spoilt = bytearray(spoil(bytes(buf)))
     kept, rows = bytes(spoilt), core.block_table.copy()
     with pytest.raises(ImageMismatch, match=words):
-        adopt(CFG, core.block_table, spoilt)
+        restore(CFG, core.block_table, spoilt)
     assert bytes(spoilt) == kept and np.array_equal(core.block_table, rows)
 
 
@@ -170,10 +170,10 @@ def test_an_image_of_another_geometry_is_refused_naming_the_difference() -> None
     kept = bytes(buf)
     bigger = CoreConfig(num_pages=48, page_size=4, max_requests=8, max_context_len=64)
     with pytest.raises(ImageMismatch, match=r"num_pages 40 \(this server's 48\)"):
-        adopt(bigger, np.zeros(bigger.block_table_shape, np.int32), buf)
+        restore(bigger, np.zeros(bigger.block_table_shape, np.int32), buf)
     other = CoreConfig(num_pages=40, page_size=8, max_requests=8, max_context_len=64)
     with pytest.raises(ImageMismatch, match=r"page_size 4 \(this server's 8\), width 16 \(this server's 8\)"):
-        adopt(other, np.zeros(other.block_table_shape, np.int32), buf)
+        restore(other, np.zeros(other.block_table_shape, np.int32), buf)
     assert bytes(buf) == kept
 
 
@@ -190,7 +190,7 @@ def _state(core: KVCore) -> tuple[object, ...]:
 
 def test_a_numbered_step_cut_anywhere_is_undone_whole_and_a_committed_one_kept() -> None:
     """Numbered Steps (as the server sends them) of every kind are cut between any two
-    of the owners' changes and at each named crash point: the adopted state is exactly
+    of the owners' changes and at each named crash point: the restored state is exactly
     the one before the Step (rows, lengths, owners, ids, cache keys, page counts), the
     undo is named, and the owner's applied number is the previous Step's. A state taken
     after a commit is the Step's whole."""
@@ -233,7 +233,7 @@ def test_a_numbered_step_cut_anywhere_is_undone_whole_and_a_committed_one_kept()
     assert len(cuts) > 50, len(cuts)
     undone = 0
     for where, at, image, rows in cuts:
-        new, report = adopt(cfg, rows.copy(), bytearray(image), audit_every_step=True)
+        new, report = restore(cfg, rows.copy(), bytearray(image), audit_every_step=True)
         undone += bool(report.undone)
         assert new.audit().ok, (where, at, report)
         assert _state(new) == before[at], (where, at, report)
@@ -244,5 +244,5 @@ def test_a_numbered_step_cut_anywhere_is_undone_whole_and_a_committed_one_kept()
         assert session.applied_seq == at - 1, (where, at)
     assert undone > 40, undone  # the cuts before a Step's first change have nothing to undo
     # committed: the whole Step, nothing undone
-    new, report = adopt(cfg, core.block_table.copy(), bytearray(buf), audit_every_step=True)
+    new, report = restore(cfg, core.block_table.copy(), bytearray(buf), audit_every_step=True)
     assert _state(new) == after[seq] and report.undone == "" and report.sessions[0].applied_seq == seq

@@ -1,12 +1,12 @@
-"""Taking a core over from a state image (:mod:`.image`) another process wrote:
-:func:`adopt` reads its facts, repairs what a crash can leave half done, and builds a
+"""Restoring a core from a state image (:mod:`.image`) another process wrote:
+:func:`restore` reads its facts, repairs what a crash can leave half done, and builds a
 core on the same image and block table with the same rows, lengths, request ids,
 owners, cached chains and quarantines. What is derived (reference counts, the free and
 evictable stacks, the key index, the owners' accounting) is derived again, so a state
 cut at any instant comes back consistent: no page lost, none held twice, every row
 agreeing with its length, the audit clean.
 
-Repairs, each reported in one line (:attr:`Adoption.repaired`):
+Repairs, each reported in one line (:attr:`Restoration.repaired`):
 
 * a cached page whose chain is broken (its parent not cached, a key cached twice, a
   depth that does not follow its parent's) is no longer cached, nor its descendants;
@@ -20,9 +20,9 @@ Repairs, each reported in one line (:attr:`Adoption.repaired`):
 * a quarantined page that is in a row or cached leaves its quarantine.
 
 Before any of that, a Step the crash cut (its undo record open, not committed: see
-:mod:`.undo`) is undone, so that it was not applied at all; :attr:`Adoption.undone`
+:mod:`.undo`) is undone, so that it was not applied at all; :attr:`Restoration.undone`
 says so. Each owner's session (its id, name, quota and the number of its last Step
-applied) is read back for the server to resume it by (:attr:`Adoption.sessions`).
+applied) is read back for the server to resume it by (:attr:`Restoration.sessions`).
 
 The free stack keeps its order when it still holds exactly the free pages (a clean
 stop); otherwise it is rebuilt, lowest page on top. The same for the free slots.
@@ -46,14 +46,14 @@ from kvmem.server.core.kvcore import KVCore
 from kvmem.server.core.undo import pending, undo
 from kvmem.server.errors import CorruptionError
 
-__all__ = ["DEFAULT_MAX_OWNERS", "AdoptedSession", "Adoption", "adopt", "layout_for"]
+__all__ = ["DEFAULT_MAX_OWNERS", "Restoration", "RestoredSession", "layout_for", "restore"]
 
 DEFAULT_MAX_OWNERS = 4096
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class AdoptedSession:
-    """An adopted owner's session, as its Attach wrote it into the image ("" id: none)."""
+class RestoredSession:
+    """A restored owner's session, as its Attach wrote it into the image ("" id: none)."""
 
     owner: int
     session_id: str
@@ -64,8 +64,8 @@ class AdoptedSession:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Adoption:
-    """What :func:`adopt` took over, and what it repaired."""
+class Restoration:
+    """What :func:`restore` took over, and what it repaired."""
 
     owners: int
     requests: int
@@ -73,10 +73,11 @@ class Adoption:
     cached_pages: int
     quarantined_pages: int
     repaired: tuple[str, ...]
-    sessions: tuple[AdoptedSession, ...] = ()
+    sessions: tuple[RestoredSession, ...] = ()
     undone: str = ""  # the cut Step undone, described; "" if none was cut
 
     def describe(self) -> str:
+        """One line for the log ("adopted ...": the word of the log and of the wire's ``StateOrigin``)."""
         repaired = f"; repaired: {'; '.join(self.repaired)}" if self.repaired else "; nothing to repair"
         undone = f"; {self.undone}" if self.undone else ""
         return (
@@ -95,7 +96,7 @@ def layout_for(
     )
 
 
-def adopt(
+def restore(
     config: CoreConfig,
     block_table: np.ndarray,
     buffer: Any,
@@ -105,7 +106,7 @@ def adopt(
     audit_every_step: bool = False,
     event_sink: Callable[[list[CacheEvent]], None] | None = None,
     max_owners: int = DEFAULT_MAX_OWNERS,
-) -> tuple[KVCore, Adoption]:
+) -> tuple[KVCore, Restoration]:
     """A core over the image in ``buffer`` and ``block_table`` (the previous process's),
     with its state: see the module's docstring. :class:`ImageMismatch` names what does
     not fit (another geometry or version, not an image); nothing is changed then. The
@@ -120,9 +121,14 @@ def adopt(
         )
     facts = _Facts(old, block_table, config, keys)
     core = KVCore(
-        config, block_table, audit_every_step=False, prefix_cache=prefix_cache, page_keys=keys,
-        event_sink=event_sink, image=CoreImage.create(buffer, layout),
-    )  # fmt: skip
+        config,
+        block_table,
+        audit_every_step=False,
+        prefix_cache=prefix_cache,
+        page_keys=keys,
+        event_sink=event_sink,
+        image=CoreImage.create(buffer, layout),
+    )
     report = facts.install(core, prefix_cache)
     found = core.audit()
     if not found.ok:
@@ -273,7 +279,7 @@ class _Facts:
 
     # ---------------------------------------------------------------- install
 
-    def install(self, core: KVCore, prefix_cache: bool) -> Adoption:
+    def install(self, core: KVCore, prefix_cache: bool) -> Restoration:
         config, ps = self.config, self.config.page_size
         keep = self._chains() if prefix_cache else np.zeros(self.cached.size, dtype=bool)
         if not prefix_cache and self.cached.size:
@@ -289,9 +295,15 @@ class _Facts:
         next_owner = max([self.next_owner, *(o + 1 for o, _ in owners)])
         free_slots = _keep_order(self.free_slots, np.setdiff1d(np.arange(1, config.max_requests + 1), open_slots))
         core.slots.install(
-            owners, next_owner, open_slots, self.slot_owner[open_slots], lengths, rows,
-            [self.rids[s] for s in open_slots.tolist()], free_slots,
-        )  # fmt: skip
+            owners,
+            next_owner,
+            open_slots,
+            self.slot_owner[open_slots],
+            lengths,
+            rows,
+            [self.rids[s] for s in open_slots.tolist()],
+            free_slots,
+        )
         cached = self.cached[keep]
         is_cached = np.zeros(config.num_pages, dtype=bool)
         is_cached[cached] = True
@@ -313,19 +325,30 @@ class _Facts:
             sid, name, quota, seq = self.sessions[owner]
             core.set_session(owner, sid, name, quota)
             core.install_seq(owner, seq)
-            sessions.append(AdoptedSession(owner, sid, name, quota, namespace, seq))
+            sessions.append(RestoredSession(owner, sid, name, quota, namespace, seq))
         if cached.size:
             order = np.argsort(self.lru[keep], kind="stable")
             evictable = cached[order][ref[cached[order]] == 0]
             kept = np.flatnonzero(keep)
             core.cache.install(
-                cached, [self.key[i] for i in kept], [self.parent[i] for i in kept], self.depth[keep],
-                [str(self.ns[i]) for i in kept], self.tokens[keep], evictable.astype(np.int32),
-            )  # fmt: skip
-        return Adoption(
-            len(owners), int(open_slots.size), int(in_rows.size), int(cached.size),
-            int(np.count_nonzero(held_by)), tuple(self.repaired), tuple(sessions), self.undone,
-        )  # fmt: skip
+                cached,
+                [self.key[i] for i in kept],
+                [self.parent[i] for i in kept],
+                self.depth[keep],
+                [str(self.ns[i]) for i in kept],
+                self.tokens[keep],
+                evictable.astype(np.int32),
+            )
+        return Restoration(
+            len(owners),
+            int(open_slots.size),
+            int(in_rows.size),
+            int(cached.size),
+            int(np.count_nonzero(held_by)),
+            tuple(self.repaired),
+            tuple(sessions),
+            self.undone,
+        )
 
 
 def _keep_order(old: np.ndarray, want: np.ndarray) -> np.ndarray:
