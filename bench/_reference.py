@@ -11,7 +11,7 @@ other attribute is the real ``torch``, and the original global is restored after
 ``pin_memory`` again).
 
 Shared by the benchmarks in this folder. The import and the patch are
-:mod:`kvmem.engine.reference`'s (``kvmem simulate --baseline`` loads the same
+:mod:`kvmem.engine.simulate.reference`'s (``kvmem simulate --baseline`` loads the same
 file); this module only makes a missing file a note instead of an error, and builds the
 allocator with the geometry of a kvmem pool.
 """
@@ -23,8 +23,8 @@ import pathlib
 import types
 from typing import Any
 
-from kvmem.engine.reference import REFERENCE_RELPATH, ReferenceMissing, construct
-from kvmem.engine.reference import load_reference as _load
+from kvmem.engine.simulate.reference import REFERENCE_RELPATH, ReferenceMissing, construct
+from kvmem.engine.simulate.reference import load_reference as _load
 
 
 def default_reference_path() -> pathlib.Path:

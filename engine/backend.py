@@ -3,15 +3,19 @@ drives, once per iteration, and what it gets back.
 
 A :class:`Backend` hands out request slots (:meth:`Backend.open`) and takes one
 :class:`Plan` per iteration, the Step's columns, answering an :class:`Outcome`. Three
-implement it: kvmem's batched client (:class:`.worker.KVMemBackend`), the drop-in driven
-as a reference scheduler drives it (:class:`.compat_driver.CompatBackend`) and the
-reference allocator in-process (:class:`.reference.ReferenceBackend`).
+implement it: kvmem's batched client (:class:`KVMemBackend`, here), the drop-in driven
+as a reference scheduler drives it (:class:`~.compat_backend.CompatBackend`) and, for
+``kvmem simulate --baseline``, the reference allocator in-process
+(:class:`.simulate.reference.ReferenceBackend`).
+
+The plan's integer columns are int32 arrays from the scheduler to the wire: the client
+sends them as their bytes (the Step's ``*_i32`` fields), with no per-item encoding.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,20 +23,24 @@ OK, OUT_OF_PAGES = 0, 1  # AllocStatus values (kvmem.v1); others end the run as 
 NOT_OPENED = -1  # an admission's status when the backend opens in its step and the server had no request slot
 
 
+Ints = Any  # an int32 array once the scheduler seals its plan (a list while it builds it)
+
+
 @dataclasses.dataclass(slots=True)
 class Plan:
-    """One iteration's Step, as columns (see ``KVMemClient.step``)."""
+    """One iteration's Step, as columns (see ``KVMemClient.step``): the integer ones
+    int32 arrays as the scheduler sends them (lists while it builds them)."""
 
-    release_slots: list[int] = dataclasses.field(default_factory=list)
+    release_slots: Ints = dataclasses.field(default_factory=list)
     release_tokens: list[np.ndarray] = dataclasses.field(default_factory=list)
-    truncate_slots: list[int] = dataclasses.field(default_factory=list)
-    truncate_lens: list[int] = dataclasses.field(default_factory=list)
+    truncate_slots: Ints = dataclasses.field(default_factory=list)
+    truncate_lens: Ints = dataclasses.field(default_factory=list)
     cache: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
     match: list[tuple[int, np.ndarray, int]] = dataclasses.field(default_factory=list)
-    alloc_slots: list[int] = dataclasses.field(default_factory=list)
-    alloc_needs: list[int] = dataclasses.field(default_factory=list)
-    alloc_expected: list[int] = dataclasses.field(default_factory=list)
-    handoff_slots: list[int] = dataclasses.field(default_factory=list)  # hand-offs (kvmem's client only)
+    alloc_slots: Ints = dataclasses.field(default_factory=list)
+    alloc_needs: Ints = dataclasses.field(default_factory=list)
+    alloc_expected: Ints = dataclasses.field(default_factory=list)
+    handoff_slots: Ints = dataclasses.field(default_factory=list)  # hand-offs (kvmem's client only)
     handoff_states: list[bytes] = dataclasses.field(default_factory=list)
     adopt: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (ticket, request id)
 
@@ -61,3 +69,46 @@ class Backend(Protocol):
         ...
 
     def step(self, plan: Plan) -> Outcome: ...
+
+
+class KVMemBackend:
+    """The scheduler's allocator: a kvmem session (:class:`kvmem.client.KVMemClient`),
+    one Step per iteration, its columns as the scheduler's int32 arrays."""
+
+    def __init__(self, kv: Any) -> None:
+        from kvmem.client.errors import NoFreeRequestSlot
+
+        self.kv = kv
+        self.page_size = int(kv.geometry.page_size)
+        self._no_slot = NoFreeRequestSlot
+        self.round_trips = 0
+
+    def open(self, request_ids: list[str]) -> list[int] | None:
+        self.round_trips += 1
+        try:
+            slots: list[int] = self.kv.open(request_ids).tolist()
+        except self._no_slot:
+            return None
+        return slots
+
+    def step(self, plan: Plan) -> Outcome:
+        self.round_trips += 1
+        allocs = len(plan.alloc_slots) > 0
+        r = self.kv.step(
+            release_slots=plan.release_slots,
+            release_token_ids=plan.release_tokens if len(plan.release_slots) else None,
+            truncate_slots=plan.truncate_slots,
+            truncate_lens=plan.truncate_lens,
+            cache=plan.cache or None,
+            match=plan.match or None,
+            alloc_slots=plan.alloc_slots,
+            alloc_needs=plan.alloc_needs,
+            alloc_expected_lens=plan.alloc_expected if allocs else None,
+            handoff=plan.handoff_slots if len(plan.handoff_slots) else None,
+            handoff_states=plan.handoff_states or None,
+            adopt=plan.adopt or None,
+        )
+        out = Outcome(r.status.numpy(), r.kv_loc.numpy(), r.kv_loc_offsets.numpy(), r.match_lens.numpy())
+        if len(plan.handoff_slots):
+            out.tickets = r.tickets
+        return out

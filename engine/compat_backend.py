@@ -1,10 +1,10 @@
-"""``kvmem simulate --api compat``: the workers' scheduler on the drop-in
-(:class:`kvmem.client.compat.KVAllocator`), driven as a scheduler written against the
-reference allocator drives it once switched (``docs/COMPAT.md``).
+"""The scheduler on the drop-in (:class:`kvmem.client.compat.KVAllocator`), driven as a
+scheduler written against the reference allocator drives it once switched
+(``docs/COMPAT.md``): ``kvmem simulate --api compat`` and ``Engine(api="compat")``.
 
-The scheduler (:mod:`.scheduler`) and its model (:mod:`.model`) are the same as on the
-batched client, with the same workload and the same decisions; only its allocator calls
-differ (this module's :class:`CompatBackend`, a :class:`~.backend.Backend`). Requests
+The scheduler (:mod:`.scheduler`) and its model are the same as on the batched client,
+with the same decisions; only its allocator calls differ (this module's
+:class:`CompatBackend`, a :class:`~.backend.Backend`). Requests
 are known by *request index* (``[0, max_batch_size)``, handed out here as a reference
 scheduler's request pool does; the drop-in maps them to kvmem slots), and each
 iteration is one ``with allocator.iteration():`` block of per-request calls:
@@ -43,8 +43,6 @@ from .backend import NOT_OPENED, Outcome, Plan
 if TYPE_CHECKING:
     from kvmem.client.compat import KVAllocator
 
-    from .worker import WorkerConfig
-
 
 class CompatBackend:
     """The scheduler's allocator: the drop-in, one iteration block per scheduler
@@ -73,31 +71,33 @@ class CompatBackend:
             return self._iteration(plan, admit=True)
         except self._no_slot:  # the Open of the new requests: nothing of the block applied
             out = self._iteration(plan, admit=False)
-            self._free += [index for index, _, _ in reversed(plan.match)]
+            self._free += [int(index) for index, _, _ in reversed(plan.match)]
             return out
 
     def _iteration(self, plan: Plan, admit: bool) -> Outcome:
         """One ``with allocator.iteration():`` block of the plan's calls, per request."""
         a = self.allocator
-        admitted = {index for index, _, _ in plan.match}
-        allocating = set(plan.alloc_slots)
+        admitted = {int(index) for index, _, _ in plan.match}
+        alloc_slots = list(map(int, plan.alloc_slots))
+        allocating = set(alloc_slots)
+        release_slots = list(map(int, plan.release_slots))
         with a.iteration() as it:
-            for index, tokens in zip(plan.release_slots, plan.release_tokens, strict=True):
+            for index, tokens in zip(release_slots, plan.release_tokens, strict=True):
                 a.finish(index, tokens)
-            for index, new_len in zip(plan.truncate_slots, plan.truncate_lens, strict=True):
+            for index, new_len in zip(map(int, plan.truncate_slots), map(int, plan.truncate_lens), strict=True):
                 if index not in allocating:  # else its alloc's lower alloced_len trims it
                     a.truncate(index, new_len)
             for index, tokens in plan.cache:
                 a.cache_request(index, tokens)
             matched = [a.match_prefix(index, tokens, limit) for index, tokens, limit in plan.match] if admit else []
             results: list[Any] = []
-            for index, need, alloced_len in zip(plan.alloc_slots, plan.alloc_needs, plan.alloc_expected, strict=True):
+            needs, expected = map(int, plan.alloc_needs), map(int, plan.alloc_expected)
+            for index, need, alloced_len in zip(alloc_slots, needs, expected, strict=True):
                 if index in admitted:  # matched in this block: the alloc counts from 0
                     results.append(a.alloc(index, need, 0) if admit else None)
                 else:
                     results.append(a.alloc(index, need, alloced_len))
-        for index in plan.release_slots:
-            self._free.append(index)
+        self._free += release_slots
         n = len(results)
         status = np.zeros(n, dtype=np.int16)
         offsets = np.zeros(n + 1, dtype=np.int64)
@@ -112,22 +112,3 @@ class CompatBackend:
         match_lens = np.array([int(m) for m in matched] if admit else [0] * len(plan.match), dtype=np.int64)
         out_cache_loc = it.collect().numpy()  # every successful alloc's kv_loc, in call order
         return Outcome(status, out_cache_loc, offsets, match_lens)
-
-
-def compat_allocator(config: WorkerConfig) -> KVAllocator:
-    """The drop-in as a switched scheduler constructs it: the server's address, its
-    request pool's size, a name and the cache namespace."""
-    from kvmem.client.compat import KVAllocator
-
-    from .worker import NAMESPACE
-
-    return KVAllocator(
-        config.target,
-        # Indices held at once: the running requests, and those finished or preempted whose
-        # release goes out with the next iteration's block.
-        max_batch_size=2 * config.max_running,
-        name=f"simulate-{config.run_id}-w{config.worker}",
-        cache_namespace=NAMESPACE,
-        auth_token=config.auth_token,
-        request_id_prefix=f"w{config.worker}-i",
-    )

@@ -1,36 +1,38 @@
-"""The continuous-batching scheduler of ``kvmem simulate``'s workers.
+"""The continuous-batching scheduler both engines run: ``kvmem simulate``'s workers
+(the synthetic model) and the real-model engine (a transformers model).
 
 One :meth:`Scheduler.iteration` is what an inference engine's scheduler does per model
-step: one Step of the allocator (plus an Open when it admits requests), then one forward
-pass of the model (:mod:`.model`):
+step: one Step of the allocator (a :class:`~.backend.Backend`: kvmem's batched client,
+the drop-in, or the reference allocator; plus an Open when it admits requests), then one
+forward pass of the model (a :class:`~.forward.Model`):
 
-1. arrivals join the waiting queue;
-2. requests that finished (or were chosen for preemption) last iteration are read back
-   through the block table and checked (:class:`SimulationFailure` if a page is wrong),
-   then released with their token ids, so their full pages enter the prefix cache;
-3. speculative requests drop the drafts the model rejected (truncate);
-4. prefill chunks computed last iteration are cached (cache items), so other workers can
-   share them at once;
-5. allocs, within a per-iteration token budget: every decoding request first (1 token,
-   or 1 + k with k drafts), then the next chunk of each prefilling request, then new
-   requests: matched against the prefix cache (``len - 1`` tokens at most: one token is
-   always computed) with the alloc of their first chunk in the same Step;
-6. the model's forward pass computes every token allocated, writing its K/V at its
-   ``kv_loc`` (:class:`~.model.ForwardBatch`), and samples the next token of each
-   request that reached the end of its prompt or decoded; a decode's drafts are accepted
-   as far as the samples confirm them, and the samples extend the request's tokens;
-7. an alloc that gets ``OUT_OF_PAGES`` preempts the youngest running request (released
-   with its computed tokens next iteration, requeued at the front with a backoff; it
-   re-prefills what it had, mostly from the cache) and pauses admissions.
+1. **plan** (:meth:`Scheduler._plan`), changing no request: the requests that finished
+   or were preempted last iteration are released with their tokens (their full pages
+   enter the prefix cache; a check may read them back first); rejected drafts' K/V is
+   truncated; requests handed off go with their state; a prefilling request caches its
+   newly full pages (other sessions match them at once); then allocs within the token
+   budget: every decode first (1 token, or 1 + its drafts), then the next chunk of each
+   prefilling request, then adopted requests and new ones, each new one matched against
+   the prefix cache (all but its last token at most: one is always computed) with its
+   first chunk allocated in the same Step (the need counts from 0);
+2. **send** the Step, its columns int32 arrays (the client's bytes fast path);
+3. **apply** the answer (:meth:`Scheduler._apply`), the one place requests change on
+   it: releases done, truncates, caches, matches, adoptions, hand-offs, each alloc's
+   token slots; a Step that raised changed nothing here, so the iteration can be
+   planned again;
+4. **forward** over every token allocated, packed ragged (prefill chunks and decodes
+   mixed), then **take** the samples (:meth:`Scheduler._take`): a request whose chunk
+   reached its known tokens samples the next one (a decode with drafts samples after
+   each and keeps the drafts the samples confirm, plus one), and stops on a stop token,
+   a stop check or at ``max_new``;
+5. an alloc answered ``OUT_OF_PAGES`` preempts the youngest running request: released
+   with its computed tokens next iteration, requeued at the front (after a backoff,
+   when the policy has one); when readmitted it matches what it had (mostly from the
+   cache) and recomputes the rest. Admissions pause for an iteration after it.
 
-The workload fixes each request's tokens (:mod:`.workload`): its prompt, its length, and
-its drafts (the first ones a seeded draw accepts are the request's next tokens, the
-others not); what the request's tokens become after its prompt is what the model samples.
-
-The allocator is a :class:`Backend`: kvmem's batched client, one Step (:mod:`.worker`,
-``--api client``); the drop-in ``KVAllocator`` driven as a scheduler written against the
-reference allocator drives it (:mod:`.compat_driver`, ``--api compat``); or, for the
-``--baseline`` run, the reference allocator in-process (:mod:`.reference`).
+What differs between the engines is the :class:`Policy` (drafts, the tokens a model is
+told of at admission, the check before release, the preemption backoff and limit) and
+the hand-off policy (:class:`~.handoff.Moves`); the loop is this one.
 """
 
 from __future__ import annotations
@@ -38,72 +40,36 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
 from .backend import NOT_OPENED, OK, OUT_OF_PAGES, Backend, Outcome, Plan
-from .model import Admission, BatchBuilder, ForwardBatch, ForwardOutput, Model, ModelFailure, ReadBack
-from .workload import Acceptance, SimRequest, WorkloadDigest, WorkloadSpec, drafts, generate
+from .forward import Admission, BatchBuilder, ForwardBatch, ForwardOutput, Model, ModelFailure
+from .handoff import Moves
+from .request import Request, pack, unpack
 
-DECODE, PREFILL, ADMIT = 0, 1, 2
+__all__ = ["Figures", "Policy", "Scheduler"]
 
-
-class SimulationFailure(Exception):
-    """A page read back wrong: the run fails, naming the request, page and position."""
-
-
-class Live:
-    """A request in the scheduler: waiting, running or about to be released.
-    ``computed``: tokens whose K/V are written; ``alloced``: the allocator's alloced_len;
-    ``target``: the prefill length (the prompt; after a preemption, all it had);
-    ``tokens[:known]``: its tokens so far, the prompt then what the model sampled
-    (``known > computed`` once its prompt is computed: the next token to compute)."""
-
-    __slots__ = (
-        "accept",
-        "admitted",
-        "alloced",
-        "cached_pages",
-        "computed",
-        "known",
-        "matched",
-        "not_before",
-        "preemptions",
-        "req",
-        "slot",
-        "target",
-        "tokens",
-        "truncate_to",
-    )
-
-    def __init__(self, req: SimRequest, accept: Acceptance) -> None:
-        self.req = req
-        self.accept = accept
-        self.tokens = np.zeros(req.total_len, dtype=np.int32)
-        self.tokens[: req.prompt_len] = req.tokens[: req.prompt_len]
-        self.known = req.prompt_len
-        self.slot = 0
-        self.computed = self.alloced = self.matched = self.cached_pages = 0
-        self.target = req.prompt_len
-        self.admitted = 0
-        self.preemptions = 0
-        self.not_before = 0
-        self.truncate_to = -1
-
-
-Item = tuple[Live, int, int]  # (request, kind, a number: its need; drafts or tokens once computing)
+_EMPTY = np.zeros(0, dtype=np.int32)
 
 
 @dataclasses.dataclass(slots=True)
-class Counters:
-    """What a worker reports (cumulative)."""
+class Figures:
+    """One scheduler's figures (cumulative): iterations (Steps) and the seconds in
+    them, in Opens and in forwards; requests arrived and finished; preemptions, allocs
+    answered ``OUT_OF_PAGES``, admissions put off for want of a request slot; tokens
+    queried against the prefix cache and matched; prefill and decode tokens computed;
+    drafts proposed and kept; forwards mixing prefill and decode tokens, the most tokens
+    in one; each first token's time since the run started."""
 
-    generated: int = 0
-    done: int = 0
-    steps: int = 0  # one per scheduler iteration that had work
+    iterations: int = 0
     step_seconds: float = 0.0
     open_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    arrived: int = 0
+    finished: int = 0
     preemptions: int = 0
     out_of_pages: int = 0
     no_free_slot: int = 0
@@ -111,56 +77,147 @@ class Counters:
     prefix_hit_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    draft_tokens: int = 0
-    rejected_tokens: int = 0
-    verified_requests: int = 0
-    verified_tokens: int = 0
-    verified_pages: int = 0
+    drafts_proposed: int = 0
+    drafts_kept: int = 0
+    mixed_forwards: int = 0
+    max_forward_tokens: int = 0
+    first_token_s: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(slots=True)
+class Policy:
+    """What an engine decides differently, each None for "nothing":
+
+    * ``drafts(r, room)``: up to ``room`` speculative tokens after ``r``'s known ones,
+      proposed at planning (it must not change ``r``);
+    * ``told(r)``: the tokens the model is told of at ``r``'s admission (default: those
+      known; the synthetic model is told the workload's whole sequence);
+    * ``check(r, finished)``: before ``r``'s release (finished, or preempted), e.g. a
+      read-back of its K/V; it raises to fail the run;
+    * ``backoff(r, it)``: the iteration a preempted ``r`` may be readmitted at;
+    * ``max_preemptions``: a request preempted more often fails the run (the pool
+      cannot hold it with the others running);
+    * ``stop_check(r)``: whether ``r`` now ends (a stop string), after each token."""
+
+    drafts: Callable[[Request, int], np.ndarray] | None = None
+    told: Callable[[Request], np.ndarray] | None = None
+    check: Callable[[Request, bool], None] | None = None
+    backoff: Callable[[Request, int], int] | None = None
+    max_preemptions: int | None = None
+    stop_check: Callable[[Request], bool] | None = None
+
+
+class _Steps:
+    """One planned iteration: the Step's columns (lists until :meth:`plan` makes them
+    int32 arrays) and, per item, what applying its answer does."""
+
+    __slots__ = (
+        "adopting",
+        "alloc_expected",
+        "alloc_needs",
+        "alloc_slots",
+        "cached",
+        "giving",
+        "items",
+        "leaving",
+        "opened",
+        "plan",
+        "released",
+        "truncated",
+    )
+
+    def __init__(self) -> None:
+        self.plan = Plan()
+        self.alloc_slots: list[int] = []
+        self.alloc_needs: list[int] = []
+        self.alloc_expected: list[int] = []
+        self.items: list[tuple[Request, int, np.ndarray]] = []  # per alloc: (request, need, drafts)
+        self.leaving: list[Request] = []
+        self.released: list[str] = []
+        self.truncated: list[Request] = []
+        self.cached: list[Request] = []
+        self.giving: list[Request] = []
+        self.adopting: list[Request] = []
+        self.opened: list[Request] = []
+
+    def alloc(self, r: Request, slot: int, need: int, expected: int, drafts: np.ndarray = _EMPTY) -> None:
+        self.alloc_slots.append(slot)
+        self.alloc_needs.append(need)
+        self.alloc_expected.append(expected)
+        self.items.append((r, need, drafts))
+
+    def seal(self) -> Plan:
+        """The plan with its columns as int32 arrays: the client sends them as bytes."""
+        p = self.plan
+        p.alloc_slots = np.array(self.alloc_slots, dtype=np.int32)
+        p.alloc_needs = np.array(self.alloc_needs, dtype=np.int32)
+        p.alloc_expected = np.array(self.alloc_expected, dtype=np.int32)
+        p.release_slots = np.array(p.release_slots, dtype=np.int32)
+        p.truncate_slots = np.array(p.truncate_slots, dtype=np.int32)
+        p.truncate_lens = np.array(p.truncate_lens, dtype=np.int32)
+        p.handoff_slots = np.array(p.handoff_slots, dtype=np.int32)
+        return p
 
 
 class Scheduler:
-    """One worker's scheduler over ``backend``, computing with ``model`` (one forward
-    pass per Step). ``read_back``: checks each request's K/V before its release (the
-    model that wrote them; None: no check, as in the baseline). ``corrupt``: test hook,
-    change one written value of the first finished request before its check (the check
-    must catch it)."""
+    """One continuous-batching scheduler over ``backend``, computing with ``model`` (see
+    the module's docstring). ``budget``: tokens computed per forward, decodes, drafts
+    and prefill chunks together; ``max_running``: requests running at once (at most the
+    budget: every running request's decode fits). Requests come from :meth:`add` (all
+    at once, or an iterator in arrival order, taken as the iterations reach each one's
+    ``arrival``); :meth:`iteration` returns the requests that took new tokens, with how
+    many each took."""
 
     def __init__(
         self,
         backend: Backend,
         model: Model,
-        spec: WorkloadSpec,
-        worker: int,
         *,
+        budget: int,
         max_running: int,
-        chunk_tokens: int,
-        read_back: ReadBack | None = None,
-        corrupt: bool = False,
+        policy: Policy | None = None,
+        stops: frozenset[int] = frozenset(),
+        keep_logits: bool = False,
+        moves: Moves | None = None,
+        on_arrival: Callable[[Request], None] | None = None,
     ) -> None:
         self.backend = backend
         self.model = model
-        self.read_back = read_back
-        self.spec = spec
-        self.worker = worker
-        self.max_running = max_running
-        self.chunk_tokens = chunk_tokens
-        self.corrupt = corrupt
         self.ps = backend.page_size
-        self.counters = Counters()
-        self.latencies: list[float] = []  # seconds of each Step, since the last report took them
-        self.digest = WorkloadDigest()
-        self._arrivals: Iterator[SimRequest] | None = generate(spec, worker)
-        self._next: SimRequest | None = next(self._arrivals, None)
+        self.budget = budget
+        self.max_running = min(max_running, budget)
+        self.policy = policy or Policy()
+        self.stops = np.array(sorted(stops), dtype=np.int32)
+        self.keep_logits = keep_logits
+        self.moves = moves
+        self.on_arrival = on_arrival
+        self.figures = Figures()
+        self.latencies: list[float] = []  # seconds of each Step since a reader last took them
         self.it = 0
-        self.waiting: collections.deque[Live] = collections.deque()
-        self.running: list[Live] = []
-        self.finishing: list[Live] = []
-        self.preempting: list[Live] = []
-        self._pressure = False
-        self._slots_back_at = 0  # no Open before this iteration: the server's request slots ran out
-        self._open_limit = max_running  # new requests per Open (halved while slots are short)
+        self.started_at = time.monotonic()  # the run's start, for the first tokens' times
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.leaving: list[Request] = []  # finished or preempted: released in the next Step
+        self.giving: list[Request] = []  # handed off in the next Step
+        self.finished: list[Request] = []  # in the order they finished here
+        self._adopting: list[Request] = []  # taken from the inbox, adopted in the next Step
+        self._taken = 0  # inbox items taken since the last Step
+        self._opened: dict[str, int] = {}  # request id -> slot opened, not yet admitted (a Step failed)
         self._admitted: list[Admission] = []  # for the next forward: requests given a row...
         self._released: list[str] = []  # ...and released, since the last
+        self._arrivals: Iterator[Request] | None = None
+        self._next: Request | None = None
+        self._pressure = False  # an alloc ran out of pages last iteration: no admission
+        self._slots_back_at = 0  # no Open before this iteration: the server's request slots ran out
+        self._open_limit = self.max_running  # new requests per Open (halved while slots are short)
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, requests: Iterable[Request]) -> None:
+        """Requests to run, in arrival order (an iterator is drawn as they arrive)."""
+        chained = requests if self._arrivals is None else _chain(self._next, self._arrivals, requests)
+        self._arrivals = iter(chained)
+        self._next = next(self._arrivals, None)
 
     def stop_arrivals(self) -> None:
         """No more requests arrive (a run by duration ends); those arrived finish."""
@@ -169,275 +226,411 @@ class Scheduler:
 
     @property
     def done(self) -> bool:
-        return self._next is None and not (self.waiting or self.running or self.finishing or self.preempting)
+        busy = self._next is not None or self.waiting or self.running or self.leaving or self.giving
+        return not (busy or self._adopting) and (self.moves is None or not self.moves.expecting())
+
+    def abandon(self) -> None:
+        """After a failure: release every request this scheduler holds (no tokens cached)."""
+        slots = [r.slot for r in self.running + self.leaving]
+        if slots:
+            self.backend.step(Plan(release_slots=slots, release_tokens=[_EMPTY for _ in slots]))
 
     # ------------------------------------------------------------------ one iteration
 
-    def iteration(self) -> None:
-        c = self.counters
+    def iteration(self) -> list[tuple[Request, int]]:
         self._arrive()
-        plan = Plan()
-        for live in self.finishing:
-            self._check_and_release(live, plan, may_corrupt=True)
-            c.done += 1
-        for live in self.preempting:
-            self._check_and_release(live, plan, may_corrupt=False)
-            live.target = max(live.req.prompt_len, live.computed)
-            live.slot = live.computed = live.alloced = live.matched = live.cached_pages = 0
-            live.truncate_to = -1
-            live.preemptions += 1
-            live.not_before = self.it + min(2**live.preemptions, 64) + (live.req.index + self.worker) % 8
-            self.waiting.appendleft(live)
-        self.finishing, self.preempting = [], []
-        for live in self.running:
-            if live.truncate_to >= 0:
-                plan.truncate_slots.append(live.slot)
-                plan.truncate_lens.append(live.truncate_to)
-                live.alloced, live.truncate_to = live.truncate_to, -1
-            if live.computed <= live.target and live.computed // self.ps > live.cached_pages:
-                plan.cache.append((live.slot, live.tokens[: live.computed]))
-                live.cached_pages = live.computed // self.ps
-        items = self._allocs(plan)
-        if not (items or plan.release_slots):
+        if self.moves is not None and self.moves.draining:
+            self._drain()
+        steps = self._plan()
+        if not (steps.items or steps.leaving or steps.giving):
             self._idle()
-            return
+            return []
+        plan = steps.seal()
         started = time.perf_counter()
         out = self.backend.step(plan)
         seconds = time.perf_counter() - started
-        c.steps += 1
-        c.step_seconds += seconds
+        f = self.figures
+        f.iterations += 1
+        f.step_seconds += seconds
         self.latencies.append(seconds)
-        batch, computing, refused, oom = self._batch(out, items)
-        self._advance(batch, self._forward(batch), computing)
-        self._after(refused, oom)
+        batch, computing, oom = self._apply(steps, out)
+        took = self._take(batch, self._forward(batch), computing)
+        self._preempt(oom)
         self.it += 1
+        return took
 
     def _arrive(self) -> None:
         while self._next is not None and self._next.arrival <= self.it:
-            req = self._next
-            s = self.spec
-            self.waiting.append(Live(req, Acceptance(s.seed, self.worker, req.index, s.accept)))
-            self.digest.add(req)
-            self.counters.generated += 1
+            r = self._next
+            self.waiting.append(r)
+            self.figures.arrived += 1
+            if self.on_arrival is not None:
+                self.on_arrival(r)
             self._next = next(self._arrivals, None) if self._arrivals is not None else None
 
+    def _drain(self) -> None:
+        """A drain: every running request is handed off in the next Step, the waiting
+        prompts are passed on as they are (not computed: no ticket)."""
+        self.giving += self.running
+        self.running = []
+        if self.waiting and self.moves is not None:
+            self.moves.given([("", pack(r, computed=0, cached_pages=0)) for r in self.waiting])
+        self.waiting.clear()
+
     def _idle(self) -> None:
-        """Nothing to run: skip to the next arrival (or the end of a backoff). Waiting for
-        request slots that other workers hold takes real time: a millisecond's pause."""
-        if self.it < self._slots_back_at:
+        """Nothing to send: on to the next arrival or the end of a backoff. Waiting for
+        request slots that other sessions hold takes real time: a millisecond's pause."""
+        if self.waiting and (self.it < self._slots_back_at or not self._pressure):
             time.sleep(0.001)
-        upcoming = [w.not_before for w in self.waiting]
+        self._pressure = False
+        upcoming = [r.not_before for r in self.waiting]
         if self._next is not None:
             upcoming.append(self._next.arrival)
         self.it = max(self.it + 1, min(upcoming, default=self.it + 1))
 
-    def _check_and_release(self, live: Live, plan: Plan, may_corrupt: bool) -> None:
-        """Read the request back through its block-table row and check every position it
-        computed, then release it with those tokens (its full pages enter the cache)."""
-        if self.read_back is not None and live.computed:
-            if self.corrupt and may_corrupt and live.computed > live.target:
-                self.read_back.corrupt(live.slot, live.computed - 1)  # a page of its own, never cached
-                self.corrupt = False
-            num_pages, bad = self.read_back.check(live.req.rid, live.slot, live.computed)
-            if bad is not None:
-                origin = "attached from the prefix cache" if bad.position < live.matched else "allocated to it"
-                raise SimulationFailure(
-                    f"worker {self.worker}: request {live.req.rid} (slot {live.slot}, {live.computed} tokens computed) "
-                    f"reads wrong K/V at position {bad.position}: page {bad.page} (entry {bad.row_index} of its "
-                    f"block-table row, {origin}), offset {bad.offset}, {bad.plane}, element {bad.element}: expected "
-                    f"{bad.expected}, read {bad.found:g} ({bad.num_wrong} wrong element(s) in the request)"
-                )
-            c = self.counters
-            c.verified_requests += 1
-            c.verified_tokens += live.computed
-            c.verified_pages += num_pages
-        plan.release_slots.append(live.slot)
-        plan.release_tokens.append(live.tokens[: live.computed])
-        self._released.append(live.req.rid)
+    # ------------------------------------------------------------------ plan
 
-    def _allocs(self, plan: Plan) -> list[Item]:
-        """The iteration's alloc items, within the token budget: decodes, then prefill
-        chunks, then admissions. Returns ``(request, kind, need)`` per item."""
-        items: list[Item] = []
-        budget = self.chunk_tokens
-        for live in self.running:
-            if live.computed >= live.target:
-                k = min(live.req.spec_k, live.req.total_len - live.computed - 1)
-                items.append((live, DECODE, 1 + max(k, 0)))
-                budget -= 1 + max(k, 0)
-        for live in self.running:
-            if live.computed < live.target and budget > 0:
-                n = min(live.target - live.computed, budget)
-                items.append((live, PREFILL, n))
-                budget -= n
-        for live, _, need in items:
-            plan.alloc_slots.append(live.slot)
-            plan.alloc_needs.append(need)
-            plan.alloc_expected.append(live.alloced)
+    def _plan(self) -> _Steps:
+        """This iteration's Step, from the requests as they are: nothing changes here but
+        what comes from outside (the inbox's items, the server's request slots)."""
+        steps = _Steps()
+        plan = steps.plan
+        check = self.policy.check
+        for r in self.leaving:
+            if check is not None:
+                check(r, bool(r.finish))
+            plan.release_slots.append(r.slot)
+            plan.release_tokens.append(r.tokens[: r.computed])
+            steps.released.append(r.rid)
+        steps.leaving = self.leaving
+        for r in self.giving:
+            computed = r.computed
+            if r.truncate_to >= 0:
+                plan.truncate_slots.append(r.slot)
+                plan.truncate_lens.append(r.truncate_to)
+                computed = min(computed, r.truncate_to)
+            plan.handoff_slots.append(r.slot)
+            plan.handoff_states.append(pack(r, computed=computed, moves=r.moves + 1))
+        steps.giving = self.giving
+        for r in self.running:
+            if r.truncate_to >= 0:  # rejected drafts: their K/V goes
+                plan.truncate_slots.append(r.slot)
+                plan.truncate_lens.append(r.truncate_to)
+                steps.truncated.append(r)
+            if r.computed <= r.prompt_len and r.computed // self.ps > r.cached_pages:  # new full pages
+                plan.cache.append((r.slot, r.tokens[: r.computed]))
+                steps.cached.append(r)
+        budget = self._allocs(steps, self.running, self.budget)
+        if self.moves is not None:
+            budget = self._adoptions(steps, budget)
         if not self._pressure and self.it >= self._slots_back_at:
-            items += self._admit(plan, budget)
-        return items
+            self._admissions(steps, budget)
+        return steps
 
-    def _admit(self, plan: Plan, budget: int) -> list[Item]:
-        new: list[Live] = []
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) + len(new) < self.max_running
-            and self.waiting[0].not_before <= self.it
-            and len(new) < self._open_limit
-        ):
-            new.append(self.waiting.popleft())
-            budget -= min(new[-1].target, budget)
+    def _allocs(self, steps: _Steps, requests: list[Request], budget: int) -> int:
+        """Decodes (with their drafts), then prefill chunks, within ``budget``; the
+        budget left."""
+        drafter = self.policy.drafts
+        decoding = [r for r in requests if r.known - r.computed == 1]
+        budget -= len(decoding)
+        for r in decoding:
+            drafts = _EMPTY
+            room = min(budget, r.max_new - (r.known - r.prompt_len) - 1)
+            if drafter is not None and room > 0:
+                drafts = drafter(r, room)
+                budget -= drafts.size
+            expected = r.truncate_to if r.truncate_to >= 0 else r.alloced
+            steps.alloc(r, r.slot, 1 + drafts.size, expected, drafts)
+        for r in requests:
+            if r.known - r.computed > 1 and budget > 0:
+                n = min(r.known - r.computed, budget)
+                steps.alloc(r, r.slot, n, r.alloced)
+                budget -= n
+        return budget
+
+    def _adoptions(self, steps: _Steps, budget: int) -> int:
+        """Requests from the inbox: adopted in this Step with their next tokens' allocs
+        (their slots the tickets'); prompts passed on join the waiting queue."""
+        moves = self.moves
+        assert moves is not None
+        if not moves.draining:
+            idle = not (self.running or self.waiting or self.leaving or self.giving or self._adopting)
+            free = self.max_running - len(self.running) - len(self._adopting)
+            for ticket, state in moves.take(free, idle):
+                self._taken += 1
+                r = unpack(state)
+                if ticket:
+                    r.ticket = ticket
+                    r.slot = _ticket_slot(ticket)
+                    self._adopting.append(r)
+                else:
+                    r.computed = r.alloced = r.cached_pages = 0
+                    self.waiting.append(r)
+        for r in self._adopting:
+            steps.plan.adopt.append((r.ticket, r.rid))
+        steps.adopting = self._adopting
+        return self._allocs(steps, self._adopting, budget)
+
+    def _admissions(self, steps: _Steps, budget: int) -> None:
+        """New requests from the front of the waiting queue, within what the budget
+        leaves, opened here (their slots from the server), each with a match and the
+        alloc of its first chunk counted from 0 (the match in the same Step covers its
+        start)."""
+        new: list[Request] = []
+        for r in self.waiting:
+            full = len(self.running) + len(self._adopting) + len(new) >= self.max_running
+            if budget <= 0 or full or r.not_before > self.it or len(new) >= self._open_limit:
+                break
+            new.append(r)
+            budget -= min(r.known, budget)
         if not new:
-            return []
-        started = time.perf_counter()
-        slots = self.backend.open([f"{live.req.rid}.{live.preemptions}" for live in new])
-        self.counters.open_seconds += time.perf_counter() - started
-        if slots is None:  # the server's request slots are all taken (other workers): later
-            self._not_opened(new)
-            return []
+            return
+        need_slots = [r.rid for r in new if r.rid not in self._opened]
+        if need_slots:
+            started = time.perf_counter()
+            slots = self.backend.open(need_slots)
+            self.figures.open_seconds += time.perf_counter() - started
+            if slots is None:  # the server's request slots are all another's: later
+                self._not_opened()
+                return
+            self._opened.update(zip(need_slots, slots, strict=True))
         self._open_limit = min(self.max_running, self._open_limit * 2)
-        items = []
-        budget = self.chunk_tokens - sum(need for need in plan.alloc_needs)
-        for live, slot in zip(new, slots, strict=True):
-            live.slot = slot
-            live.admitted = self.it
-            tokens = live.tokens[: live.target]
-            plan.match.append((slot, tokens, live.target - 1))
-            need = min(live.target, max(budget, 1))  # counts from 0: the match covers its start
+        budget = self.budget - sum(steps.alloc_needs)
+        for r in new:
+            slot = self._opened[r.rid]
+            steps.plan.match.append((slot, r.tokens[: r.known], r.known - 1))
+            need = min(r.known, max(budget, 1))
             budget -= need
-            plan.alloc_slots.append(slot)
-            plan.alloc_needs.append(need)
-            plan.alloc_expected.append(-1)
-            items.append((live, ADMIT, need))
-            self.running.append(live)
-        return items
+            steps.alloc(r, slot, need, -1)
+            steps.opened.append(r)
 
-    def _not_opened(self, new: list[Live]) -> None:
-        self.waiting.extendleft(reversed(new))
-        self.counters.no_free_slot += 1
+    def _not_opened(self) -> None:
+        self.figures.no_free_slot += 1
         self._slots_back_at = self.it + 8
-        self._open_limit = max(1, len(new) // 2)
+        self._open_limit = max(1, self._open_limit // 2)
 
-    # ------------------------------------------------------------------ the answer
+    # ------------------------------------------------------------------ apply
 
-    def _batch(self, out: Outcome, items: list[Item]) -> tuple[ForwardBatch, list[Item], list[Live], int]:
-        """The Step's answer as the forward pass it asks for: per alloc that got its
-        token slots, the tokens to compute there (a decode's drafts drawn here). Returns
-        the batch, ``(request, kind, drafts or tokens)`` per request in it, the
-        admissions not opened and the allocs out of pages."""
-        c = self.counters
-        status = out.status.tolist()
-        offsets = out.offsets.tolist()
-        matched = iter(out.match_lens.tolist())
-        builder = BatchBuilder()
-        computing: list[Item] = []
-        refused: list[Live] = []
-        oom = 0
-        for i, (live, kind, need) in enumerate(items):
-            s = status[i]
-            if kind == ADMIT:
-                m = next(matched)
-                if s == NOT_OPENED:  # not admitted after all: nothing of it reached the server
-                    self.running.remove(live)
-                    refused.append(live)
-                    continue
-                live.computed = live.alloced = live.matched = m
-                live.cached_pages = m // self.ps
-                c.prefix_query_tokens += max(live.target - 1, 0)
-                c.prefix_hit_tokens += m
-                self._admitted.append(Admission(live.req.rid, live.req.tokens))
-            if s == OUT_OF_PAGES:
-                oom += 1
+    def _apply(self, steps: _Steps, out: Outcome) -> tuple[ForwardBatch, list[tuple[Request, int, int, int]], int]:
+        """The Step went through: the requests as its answer leaves them, and the forward
+        pass it asks for. Returns the batch, per request in it ``(request, tokens,
+        samples, drafts)``, and the allocs out of pages."""
+        f = self.figures
+        now = time.monotonic()
+        self._released += steps.released
+        self.leaving = []
+        for r in steps.truncated:
+            r.alloced, r.truncate_to = r.truncate_to, -1
+        for r in steps.cached:
+            r.cached_pages = r.computed // self.ps
+        if steps.giving:
+            states = steps.plan.handoff_states
+            self.giving = []
+            if self.moves is not None:
+                self.moves.given(list(zip(out.tickets, states, strict=True)))
+        if self._taken and self.moves is not None:
+            self.moves.adopted([r.ticket for r in steps.adopting], self._taken)
+            self._taken = 0
+        for r in steps.adopting:
+            r.since, r.admitted = now, self.it
+            self.running.append(r)
+        self._adopting = []
+        status, offsets = out.status.tolist(), out.offsets.tolist()
+        unopened = [item[0] for item, st in zip(steps.items, status, strict=True) if st == NOT_OPENED]
+        for r, m in zip(steps.opened, out.match_lens.tolist(), strict=True):
+            self.waiting.popleft()  # the admissions are the front of the queue, in order
+            slot = self._opened.pop(r.rid)
+            if r in unopened:  # the drop-in's Open found no request slot: nothing of it applied
                 continue
+            r.slot, r.admitted, r.since = slot, self.it, now
+            r.computed = r.alloced = r.matched = m
+            r.cached_pages = m // self.ps
+            r.matched_total += m
+            f.prefix_query_tokens += max(r.known - 1, 0)
+            f.prefix_hit_tokens += m
+            self.running.append(r)
+        if unopened:
+            self._not_opened()
+            self.waiting.extendleft(reversed(unopened))
+        requeued = [r for r in steps.leaving if not r.finish]  # preempted: first in the queue
+        for r in requeued:
+            self._back_to_waiting(r)
+        self.waiting.extendleft(reversed(requeued))
+        kv_loc = out.kv_loc
+        builder = BatchBuilder()
+        computing: list[tuple[Request, int, int, int]] = []
+        oom = 0
+        for i, (r, need, drafts) in enumerate(steps.items):
+            s = status[i]
             if s != OK:
-                raise RuntimeError(
-                    f"worker {self.worker}: alloc of {need} tokens for request {live.req.rid} (alloced "
-                    f"{live.alloced}, max {self.spec.max_len}) failed with status {s}, not OUT_OF_PAGES"
-                )
-            got = offsets[i + 1] - offsets[i]
-            start = live.computed
-            loc = out.kv_loc[offsets[i] : offsets[i + 1]] if out.kv_loc is not None else None
-            live.alloced += got
-            if kind == DECODE:
-                k = need - 1  # drafts: the workload's, the first ones its acceptance draw says right
-                tokens = live.tokens[start : start + 1]
-                if k > 0:
-                    tokens = np.concatenate([tokens, drafts(live.req, start, k, live.accept.draw(k))])
-                builder.add(live.req.rid, live.slot, start, tokens, loc, 1 + k)
-                computing.append((live, DECODE, k))
-            else:
-                last = 1 if start + got == live.target else 0  # the prompt's end: sample the next token
-                builder.add(live.req.rid, live.slot, start, live.tokens[start : start + got], loc, last)
-                computing.append((live, PREFILL, got))
-        batch = builder.build(self._admitted, self._released, out.kv_loc is not None)
+                if s == OUT_OF_PAGES:
+                    oom += 1
+                elif s != NOT_OPENED:
+                    raise RuntimeError(
+                        f"alloc of {need} tokens for request {r.rid} (slot {r.slot}, alloced {r.alloced}) "
+                        f"failed with status {s}, not OUT_OF_PAGES"
+                    )
+                continue
+            lo, hi = offsets[i], offsets[i + 1]
+            got = hi - lo
+            r.alloced += got
+            if got == 0:  # an admission whose match covered its first chunk
+                continue
+            start = r.computed
+            d = drafts.size
+            tokens = r.tokens[start : start + got] if not d else np.concatenate([r.tokens[start : r.known], drafts])
+            samples = 1 + d if start + got == r.known + d else 0
+            builder.add(r.rid, r.slot, start, tokens, kv_loc[lo:hi] if kv_loc is not None else None, samples)
+            computing.append((r, got, samples, d))
+        told = self.policy.told
+        for r in [*steps.adopting, *(r for r in steps.opened if r not in unopened)]:
+            self._admitted.append(Admission(r.rid, told(r) if told is not None else r.tokens[: r.known]))
+        batch = builder.build(self._admitted, self._released, kv_loc is not None)
         self._admitted, self._released = [], []
-        return batch, computing, refused, oom
+        return batch, computing, oom
+
+    def _back_to_waiting(self, r: Request) -> None:
+        """A preempted request, released: to the front of the queue, to recompute."""
+        r.preemptions += 1
+        limit = self.policy.max_preemptions
+        if limit is not None and r.preemptions > limit:
+            raise RuntimeError(
+                f"request {r.name} ({r.known} tokens) was preempted {r.preemptions} times: the pool's free pages "
+                f"cannot hold it with the others running (kvmem serve --num-pages, or a smaller max_running)"
+            )
+        r.slot = r.computed = r.alloced = r.cached_pages = 0
+        r.truncate_to = -1
+        if self.policy.backoff is not None:
+            r.not_before = self.policy.backoff(r, self.it)
+
+    # ------------------------------------------------------------------ forward and take
 
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
+        f = self.figures
+        started = time.perf_counter()
         try:
             output = self.model.forward(batch)
-        except Exception as exc:  # the model's own error: the worker fails, saying where
+        except Exception as exc:  # the model's own error: the run fails, saying where
             raise ModelFailure(
                 f"the model's forward pass failed at iteration {self.it} "
                 f"({batch.describe()}): {type(exc).__name__}: {exc}"
             ) from exc
+        f.forward_seconds += time.perf_counter() - started
         num_samples = int(batch.sample_offsets[-1])
         if output.next_tokens.shape != (num_samples,):
             raise ModelFailure(
                 f"the model answered next tokens of shape {tuple(output.next_tokens.shape)} "
                 f"at iteration {self.it} for {num_samples} sampled positions ({batch.describe()})"
             )
+        f.max_forward_tokens = max(f.max_forward_tokens, batch.num_tokens)
         return output
 
-    def _advance(self, batch: ForwardBatch, output: ForwardOutput, computing: list[Item]) -> None:
-        """The requests after the forward pass: tokens computed, drafts accepted as far
-        as the samples confirm them (the rest truncated next iteration), the samples
-        appended to their tokens; those at their end finish."""
-        c = self.counters
-        sampled = output.next_tokens
-        samples = batch.sample_offsets.tolist()
-        offsets = batch.offsets.tolist()
-        for j, (live, kind, n) in enumerate(computing):
-            start = live.computed
-            total = live.req.total_len
-            if kind == DECODE:
-                mine = sampled[samples[j] : samples[j + 1]]
-                accepted = 0
-                if n:
-                    drafts = batch.token_ids[offsets[j] + 1 : offsets[j + 1]]
-                    wrong = np.flatnonzero(drafts != mine[:n])
-                    accepted = int(wrong[0]) if wrong.size else n
-                c.decode_tokens += 1 + accepted
-                c.draft_tokens += n
-                c.rejected_tokens += n - accepted
-                live.computed = start + 1 + accepted
-                if accepted < n:
-                    live.truncate_to = live.computed
-                new = min(accepted + 1, total - start - 1)  # none past the request's end
-                live.tokens[start + 1 : start + 1 + new] = mine[:new]
-                live.known = start + 1 + new
+    def _take(
+        self, batch: ForwardBatch, output: ForwardOutput, computing: list[tuple[Request, int, int, int]]
+    ) -> list[tuple[Request, int]]:
+        """The requests after the forward pass: prefill chunks computed; each sampled
+        request keeps its drafts while the samples confirm them, then one sample, and
+        ends on a stop, a stop check or ``max_new``. Returns who took how many."""
+        f = self.figures
+        sampled, offsets = output.next_tokens, batch.offsets
+        took: list[tuple[Request, int]] = []
+        decodes = prefills = k = 0
+        now = time.monotonic()
+        give = self.moves is not None and self.moves.give_after_first
+        for j, (r, got, samples, d) in enumerate(computing):
+            r.computed_total += got
+            r.computed_here += got
+            r.iterations += 1
+            decode = r.known - r.computed == 1
+            decodes += decode
+            prefills += not decode
+            if not samples:
+                r.computed += got
+                f.prefill_tokens += got
+                continue
+            mine = sampled[k : k + samples]
+            kept = 0
+            if d:
+                end = int(offsets[j + 1])
+                wrong = np.flatnonzero(batch.token_ids[end - d : end] != mine[:d])
+                kept = int(wrong[0]) if wrong.size else d
+            known = r.known
+            first = known == r.prompt_len
+            taken = self._append(r, mine[: kept + 1], output.logits, k)
+            k += samples
+            r.computed = min(known + kept, r.known)  # the chunk, and the drafts kept, have K/V
+            if r.alloced > r.computed:
+                r.truncate_to = r.computed  # the rejected drafts' K/V goes in the next Step
+            if decode:
+                f.decode_tokens += 1 + kept
+                f.drafts_proposed += d
+                f.drafts_kept += kept
             else:
-                c.prefill_tokens += n
-                live.computed += n
-                if samples[j + 1] > samples[j] and live.known == live.computed < total:
-                    live.tokens[live.computed] = sampled[samples[j]]
-                    live.known += 1
-            if live.computed >= total:
-                self.running.remove(live)
-                self.finishing.append(live)
+                f.prefill_tokens += got
+            took.append((r, taken))
+            if not r.first_at:
+                r.first_at = now
+                f.first_token_s.append(now - self.started_at)
+            r.last_at, r.taken_here = now, r.taken_here + taken
+            if r.finish:
+                self.running.remove(r)
+                self.leaving.append(r)
+                self.finished.append(r)
+                f.finished += 1
+            elif give and first:
+                self.running.remove(r)  # its first tokens: on to a decode worker, from the next Step
+                self.giving.append(r)
+        f.mixed_forwards += int(decodes > 0 and prefills > 0)
+        return took
 
-    def _after(self, refused: list[Live], oom: int) -> None:
-        """Admissions not opened wait; on OUT_OF_PAGES the youngest running request is
-        preempted (released next iteration) and admissions pause."""
-        c = self.counters
-        if refused:
-            self._not_opened(refused)
-        c.out_of_pages += oom
+    def _append(self, r: Request, tokens: np.ndarray, logits: Any, first: int) -> int:
+        """Append the sampled ``tokens`` ``r`` keeps, up to its end: a stop token, the
+        stop check (after the token that completes a stop string) or ``max_new``.
+        Returns how many it took."""
+        n = min(tokens.size, r.max_new - (r.known - r.prompt_len))
+        finish = ""
+        if self.stops.size:
+            hits = np.flatnonzero(np.isin(tokens[:n], self.stops))
+            if hits.size:
+                n, finish = int(hits[0]) + 1, "stop"
+        start = r.known
+        r.tokens[start : start + n] = tokens[:n]
+        stop_check = self.policy.stop_check
+        if stop_check is not None:
+            for j in range(1, n + 1):  # k + 1 tokens at most
+                r.known = start + j
+                if stop_check(r):
+                    n, finish = j, "stop"
+                    break
+        r.known = start + n
+        if not finish and r.known - r.prompt_len >= r.max_new:
+            finish = "length"
+        r.finish = finish
+        if self.keep_logits and logits is not None:
+            r.logits += [logits[first + j].clone() for j in range(n)]
+        return n
+
+    def _preempt(self, oom: int) -> None:
+        """On ``OUT_OF_PAGES`` the youngest running request is preempted (released next
+        iteration, then requeued) and admissions pause."""
+        f = self.figures
+        f.out_of_pages += oom
         self._pressure = oom > 0
         if oom and self.running:
-            victim = max(self.running, key=lambda live: (live.admitted, live.req.index))
+            victim = max(self.running, key=lambda r: (r.admitted, r.index))
             self.running.remove(victim)
-            self.preempting.append(victim)
-            c.preemptions += 1
+            self.leaving.append(victim)
+            f.preemptions += 1
+
+
+def _ticket_slot(ticket: str) -> int:
+    from kvmem.client.handoff import ticket_slot
+
+    return ticket_slot(ticket)
+
+
+def _chain(head: Request | None, rest: Iterator[Request], more: Iterable[Request]) -> Iterator[Request]:
+    if head is not None:
+        yield head
+    yield from rest
+    yield from more

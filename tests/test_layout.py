@@ -251,3 +251,94 @@ def test_no_hand_written_module_over_800_lines() -> None:
         if lines > 800:
             long.append(f"{path.relative_to(ROOT)}: {lines}")
     assert not long, long
+
+
+# The engine's products: the simulator (engine/simulate/), the real-model engine
+# (engine/generate/), and what both use beside them (the scheduler, the request, the
+# backends, the model seam, the hand-off policy, the process runtime).
+ENGINE_SHARED = [p for p in _modules_under("engine") if p.parent == ROOT / "engine"]
+DEPRECATED_ALIASES = {"attention.py", "hf_model.py", "models.py"}  # kvmem.engine.X -> kvmem.engine.generate.X
+
+
+def _third_party(path: pathlib.Path) -> set[str]:
+    """The top-level names of every absolute import a file makes, lazy ones included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("path", _modules_under("engine/simulate"), ids=lambda p: p.name)
+def test_the_simulator_imports_no_transformers_and_nothing_of_the_real_model_engine(path: pathlib.Path) -> None:
+    bad = sorted(n for n in _imports(path) if n.startswith("kvmem.engine.generate"))
+    assert not bad and "transformers" not in _third_party(path), f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", _modules_under("engine/generate"), ids=lambda p: p.name)
+def test_the_real_model_engine_imports_nothing_of_the_simulator(path: pathlib.Path) -> None:
+    bad = sorted(n for n in _imports(path) if n.startswith("kvmem.engine.simulate"))
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("path", ENGINE_SHARED, ids=lambda p: p.name)
+def test_what_both_engines_use_imports_neither_product(path: pathlib.Path) -> None:
+    if path.name in DEPRECATED_ALIASES:  # the one-release aliases of moved modules
+        assert _imports(path) <= {"kvmem.engine._moved"}
+        return
+    bad = sorted(n for n in _imports(path) if n.startswith(("kvmem.engine.simulate", "kvmem.engine.generate")))
+    assert not bad and "transformers" not in _third_party(path), f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize(
+    ("folder", "blocked"),
+    [("engine/simulate", ("transformers", "kvmem.engine.generate")), ("engine/generate", ("kvmem.engine.simulate",))],
+    ids=["simulate-without-transformers-and-generate", "generate-without-simulate"],
+)
+def test_each_engine_product_imports_without_the_other(folder: str, blocked: tuple[str, ...]) -> None:
+    run = _python(
+        blocked,
+        f"""
+        import importlib
+        for name in {_importable(folder)!r}:
+            importlib.import_module(name)
+        print("ok")
+        """,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_the_generate_command_and_its_router_load_no_torch() -> None:
+    """``kvmem generate``'s parent (its options, its run module) and the hand-off router
+    import in an interpreter where torch and transformers cannot be imported at all."""
+    run = _python(
+        ("torch", "transformers"),
+        """
+        import multiprocessing
+        import kvmem.engine.generate.command
+        from kvmem.cli import build_parser
+        from kvmem.engine.generate.moves import Router
+        args = build_parser("generate").parse_args(["generate", "--workers", "2"])
+        router = Router(multiprocessing.get_context("spawn"), ["prefill", "decode"])
+        print(args.command, sorted(router.inboxes))
+        """,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "generate [1]", run.stdout
+
+
+def test_the_deprecated_engine_paths_are_the_moved_modules_with_a_warning() -> None:
+    import importlib
+    import warnings
+
+    for name in sorted(DEPRECATED_ALIASES):
+        stem = name.removesuffix(".py")
+        sys.modules.pop(f"kvmem.engine.{stem}", None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            alias = importlib.import_module(f"kvmem.engine.{stem}")
+        assert alias is importlib.import_module(f"kvmem.engine.generate.{stem}")  # a re-export, not a copy
+        said = [str(w.message) for w in caught if w.category is DeprecationWarning]
+        assert any(f"kvmem.engine.generate.{stem}" in message for message in said), said

@@ -134,7 +134,7 @@ def kvmem_attention(
     head_dim]`` and no weights. ``attention_mask`` is ignored: the mask is ``kvmem``'s."""
     if kvmem is None:
         raise ValueError(
-            f"attn_implementation={ATTENTION!r} needs the forward's kvmem.engine.attention.PagedBatch as "
+            f"attn_implementation={ATTENTION!r} needs the forward's kvmem.engine.generate.attention.PagedBatch as "
             f"model(..., kvmem=batch, use_cache=False)"
         )
     for name in ("softcap", "s_aux", "sliding_window"):

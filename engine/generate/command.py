@@ -1,9 +1,10 @@
 """``kvmem generate``: a real model generating on kvmem, several engine processes on one
 pool. Its options and help, and the run: the parent finds (or starts) the server, checks
-its geometry against the model's, starts the workers (:mod:`.generate_worker`), shows a
+its geometry against the model's, starts the workers (:mod:`.worker`), shows a
 live line per worker, prints the completions and a summary, and checks each greedy
-completion against the model's own ``generate()``. Importing this module loads no torch
-or transformers (``kvmem generate --help``); the run imports them."""
+completion against the model's own ``generate()``. The parent loads no torch,
+transformers or weights: the model's geometry comes from its config.json or its GGUF
+metadata (:mod:`.geometry`); the workers load the model."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import secrets
 import sys
 import time
 from typing import IO, Any
+
+from ..process import join
+from ..server_process import UsageError  # a missing model, a bad prompts file, an unusable server: exit 2
 
 DESCRIPTION = """\
 Generate text with a real model on kvmem: N engine worker processes (transformers models
@@ -47,10 +51,6 @@ examples:
 """
 
 PAGE_SIZE = 16
-
-
-class UsageError(Exception):
-    """A missing model, a bad prompts file or an unusable server: one line, exit 2."""
 
 
 def add_parser(sub: Any, name: str = "generate") -> None:
@@ -157,12 +157,11 @@ def _worker_after(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``kvmem generate`` with the parsed options."""
-    from .generate_worker import PromptError
-    from .server_process import UsageError as ServerUsage
+    from .worker import PromptError
 
     try:
         return _generate(args)
-    except (UsageError, ServerUsage, PromptError) as err:
+    except (UsageError, PromptError) as err:
         print(f"kvmem generate: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -171,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config(model: str | None) -> Any:
-    from .generate_worker import model_config
+    from .geometry import model_config
 
     if model is not None and not os.path.exists(model):
         raise UsageError(f"--model {model}: no such file or directory")
@@ -182,12 +181,12 @@ def _config(model: str | None) -> Any:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .generate_worker import builtin_prompts, read_prompts
+    from .worker import builtin_prompts, read_prompts
 
     info: IO[str] = sys.stderr if args.json else sys.stdout
-    prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()  # before torch loads
-    from .hf_model import GeometryMismatch, check_geometry, serve_flags
-    from .server_process import server_for
+    prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()
+    from ..server_process import server_for
+    from .geometry import GeometryMismatch, check_geometry, serve_flags
 
     config = _config(args.model)
     flags = serve_flags(config, "float32")
@@ -215,17 +214,16 @@ def _sizes(prompts: list[Any], args: argparse.Namespace) -> list[str]:
     workers = sum(args.disaggregate) if args.disaggregate else args.workers or 2
     pages = sum(math.ceil(n / PAGE_SIZE) for n in lens) + 2 * workers
     num_pages = max(pages, 2 * max_context // PAGE_SIZE) + 1
-    return [
-        "--page-size", str(PAGE_SIZE), "--num-pages", str(num_pages), "--max-requests",
-        str(len(prompts) + 16), "--max-context", str(max_context),
-    ]  # fmt: skip
+    sizes = {"--page-size": PAGE_SIZE, "--num-pages": num_pages, "--max-requests": len(prompts) + 16}
+    sizes["--max-context"] = max_context
+    return [word for flag, value in sizes.items() for word in (flag, str(value))]
 
 
 def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info: IO[str]) -> int:
     from kvmem.client.admin import stats
 
-    from .generate_moves import Router
-    from .generate_worker import GenerateConfig, worker_main
+    from .moves import Router
+    from .worker import GenerateConfig, worker_main
 
     if args.disaggregate is not None and args.workers is not None:
         raise UsageError("give --workers or --disaggregate P:D, not both")
@@ -251,14 +249,25 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
     namespace = "kvmem-generate:" + hashlib.sha256(ident.encode()).hexdigest()[:16]
     configs = [
         GenerateConfig(
-            worker=w, target=target, auth_token=args.auth_token, model=args.model, prompts=shares[w],
-            max_new_tokens=args.max_new_tokens, token_budget=args.token_budget, max_running=args.max_running,
-            check=not args.no_check, session=f"kvmem-generate-{run_id}-w{w}", namespace=namespace,
-            api=args.api, speculate=args.speculate, corrupt=args.corrupt_one_token and w == 0, role=roles[w],
+            worker=w,
+            target=target,
+            auth_token=args.auth_token,
+            model=args.model,
+            prompts=shares[w],
+            max_new_tokens=args.max_new_tokens,
+            token_budget=args.token_budget,
+            max_running=args.max_running,
+            check=not args.no_check,
+            session=f"kvmem-generate-{run_id}-w{w}",
+            namespace=namespace,
+            api=args.api,
+            speculate=args.speculate,
+            corrupt=args.corrupt_one_token and w == 0,
+            role=roles[w],
             drain_after=drain_n if w == drain_w else 0,
         )
         for w in range(workers)
-    ]  # fmt: skip
+    ]
     split = f" ({roles.count('prefill')} prefill, {roles.count('decode')} decode)" if args.disaggregate else ""
     print(
         f"kvmem generate: {len(prompts)} prompts on {workers} workers{split}, {args.max_new_tokens} new tokens each, "
@@ -324,13 +333,9 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
     finally:
         go.set()
         check.set()
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
+        join(procs, timeout=30)
     pool = stats(target, auth_token=args.auth_token, timeout=5)
-    from .generate_report import report
+    from .report import report
 
     return report(args, prompts, final, errors, pool, time.monotonic() - started, info, configs)
 

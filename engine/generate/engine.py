@@ -3,8 +3,10 @@
 :class:`Engine` attaches to a kvmem server (its pool checked against the model's
 geometry, :func:`~.hf_model.check_geometry`) through kvmem's batched client or through
 the drop-in (:class:`kvmem.client.compat.KVAllocator`, driven as a reference scheduler
-drives it: :class:`~.compat_driver.CompatBackend`), and completes prompts with
-continuous batching, one Step and one forward pass per iteration (:mod:`.loop`).
+drives it: :class:`~kvmem.engine.compat_backend.CompatBackend`), and completes prompts
+with continuous batching, one Step and one forward pass per iteration: the engine's
+scheduler (:class:`kvmem.engine.scheduler.Scheduler`) with this engine's policy (drafts
+by prompt lookup, :func:`propose_drafts`; stop strings; a limit on preemptions).
 :meth:`Engine.stream` yields each request's new tokens (and text) as they come;
 :meth:`Engine.generate` returns the completions.
 """
@@ -22,17 +24,53 @@ import torch
 
 from kvmem.client import KVMemClient
 
-from .backend import Backend
+from ..backend import Backend, KVMemBackend
+from ..request import Request
+from ..scheduler import Figures, Policy, Scheduler
 from .hf_model import Sampling, TransformersModel, check_geometry
-from .loop import Loop, Request, RunFigures
 
 if TYPE_CHECKING:
-    from .handoff import Moves
+    from ..handoff import Moves
 
-__all__ = ["APIS", "Completion", "Delta", "Engine", "RunFigures"]
+__all__ = ["APIS", "MAX_PREEMPTIONS", "Completion", "Delta", "Engine", "RunFigures", "propose_drafts", "stop_tokens"]
 
 APIS = ("client", "compat")
 """How the engine drives kvmem: the batched client, or the drop-in."""
+
+MAX_PREEMPTIONS = 32
+"""A request preempted more often than this fails the run (the pool cannot hold it)."""
+
+RunFigures = Figures
+"""One generation run's figures (:class:`kvmem.engine.scheduler.Figures`)."""
+
+
+def propose_drafts(tokens: np.ndarray, k: int, max_ngram: int = 3) -> np.ndarray:
+    """Prompt lookup: the up to ``k`` tokens that followed the latest earlier occurrence
+    of ``tokens``' trailing n-gram (the longest of ``max_ngram`` .. 1 that occurs);
+    empty when none does. Vectorised over the sequence.
+
+    A decode computes them in the same forward; sample ``s_j`` follows draft ``j``
+    (``s_0`` the decode's own); drafts are kept while ``draft[j] == s_j``, then ``s_a``
+    is appended: the tokens are exactly those decoding one at a time gives (greedy: the
+    same argmax; sampled: each kept token was drawn from the same distribution)."""
+    n_tokens = tokens.size
+    for n in range(min(max_ngram, n_tokens - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k]
+    return tokens[:0]
+
+
+def stop_tokens(model: Any, tokenizer: Any) -> list[int]:
+    """What ends a completion: the generation config's EOS, else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,13 +160,11 @@ class Engine:
         self.figures = RunFigures()
 
     def _backend(self, name: str) -> tuple[Backend, Any]:
-        from .worker import KVMemBackend
-
         if self.api == "client":
             return KVMemBackend(self.kv), self.kv.block_table
         from kvmem.client.compat import KVAllocator
 
-        from .compat_driver import CompatBackend
+        from ..compat_backend import CompatBackend
 
         # Indices held at once: the running requests, and those leaving whose release goes with the next block.
         allocator = KVAllocator(self.kv, max_batch_size=2 * self.max_running, request_id_prefix=f"{name}-")
@@ -172,9 +208,9 @@ class Engine:
         * ``sampling``: :class:`~.hf_model.Sampling` (greedy by default);
         * ``token_budget``: the most tokens computed per forward pass, prefill chunks,
           decodes and drafts together (512; it also bounds the requests running);
-        * ``speculate``: drafts per decode by prompt lookup (0: none; see :mod:`.loop`);
+        * ``speculate``: drafts per decode by prompt lookup (0: none; :func:`propose_drafts`);
         * ``keep_logits``: keep each sampled token's logits (:attr:`Completion.logits`);
-        * ``moves``: hand-offs and adoptions (:class:`~.handoff.Moves`: requests leave
+        * ``moves``: hand-offs and adoptions (:class:`~kvmem.engine.handoff.Moves`: requests leave
           for, or come from, other engine processes, their K/V in place); the
           completions are then those of the requests that finished here;
         * ``started_at``: the run's start (monotonic seconds) for time to first token;
@@ -216,13 +252,27 @@ class Engine:
                     f"max context of {self.max_context} tokens (kvmem serve --max-context)"
                 )
         tm = TransformersModel(self.model, self.kv.kv_cache(), self.block_table, self.page_size, sampling)
-        loop = Loop(
-            self.backend, tm, reqs, max_new_tokens=max_new_tokens, stops=frozenset(self._stop_tokens(stop_token_ids)),
-            budget=token_budget, max_running=self.max_running, speculate=speculate,
-            stop_check=self._stop_check(tuple(stop)), keep_logits=keep_logits, moves=moves,
-        )  # fmt: skip
-        run = _Run(self, loop, reqs, tuple(stop))
-        run.started_at = loop.started_at = time.monotonic() if started_at is None else started_at
+        drafts = None
+        if speculate:
+
+            def drafts(r: Request, room: int) -> np.ndarray:
+                return propose_drafts(r.tokens[: r.known], min(speculate, room))
+
+        policy = Policy(drafts=drafts, max_preemptions=MAX_PREEMPTIONS, stop_check=self._stop_check(tuple(stop)))
+        stops = self._stop_tokens(stop_token_ids)
+        sched = Scheduler(
+            self.backend,
+            tm,
+            budget=token_budget,
+            max_running=self.max_running,
+            policy=policy,
+            stops=frozenset(stops),
+            keep_logits=keep_logits,
+            moves=moves,
+        )
+        sched.add(reqs)
+        run = _Run(self, sched, reqs, tuple(stop))
+        run.started_at = sched.started_at = time.monotonic() if started_at is None else started_at
         return run
 
     def _encode(self, index: int, prompt: str | Sequence[int] | np.ndarray) -> np.ndarray:
@@ -236,15 +286,10 @@ class Engine:
             raise ValueError(f"prompt {index}: needs at least one token id in [0, {vocab}), got {ids[:8].tolist()}")
         return ids.astype(np.int32)
 
-    def _stop_tokens(self, stop_token_ids: Sequence[int] | None) -> set[int]:
+    def _stop_tokens(self, stop_token_ids: Sequence[int] | None) -> list[int]:
         if stop_token_ids is not None:
-            return {int(t) for t in stop_token_ids}
-        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            return set()
-        return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}
+            return [int(t) for t in stop_token_ids]
+        return stop_tokens(self.model, self.tokenizer)
 
     def _stop_check(self, stop: tuple[str, ...]) -> Callable[[Request], bool] | None:
         """Whether a request's text now holds a stop string: its last tokens decoded
@@ -269,26 +314,26 @@ class Engine:
 
 
 class _Run:
-    """One :meth:`Engine.stream` run: iterating runs the loop and yields the deltas;
-    :meth:`completions` once it is done."""
+    """One :meth:`Engine.stream` run: iterating runs the scheduler and yields the
+    deltas; :meth:`completions` once it is done."""
 
-    def __init__(self, engine: Engine, loop: Loop, reqs: list[Request], stop: tuple[str, ...]) -> None:
-        self.engine, self.loop, self.reqs, self.stop = engine, loop, reqs, stop
+    def __init__(self, engine: Engine, sched: Scheduler, reqs: list[Request], stop: tuple[str, ...]) -> None:
+        self.engine, self.sched, self.reqs, self.stop = engine, sched, reqs, stop
         self.texts: dict[int, _Detokenizer] | None = {} if engine.tokenizer is not None else None
         self.started_at = 0.0
 
     def __iter__(self) -> Iterator[Delta]:
-        loop = self.loop
+        sched = self.sched
         try:
-            while not loop.done:
-                for r, n in loop.iteration():
+            while not sched.done:
+                for r, n in sched.iteration():
                     yield self._delta(r, n)
         except BaseException:
             with contextlib.suppress(Exception):  # the session may be what failed
-                loop.abandon()
+                sched.abandon()
             raise
         finally:
-            self.engine.figures = loop.figures
+            self.engine.figures = sched.figures
 
     def _delta(self, r: Request, n: int) -> Delta:
         new = r.new_tokens()
@@ -302,9 +347,9 @@ class _Run:
     def completions(self) -> list[Completion]:
         """The completions of the run's prompts, in their order; with hand-offs, those of
         the requests that finished in this process, in the order they finished."""
-        if not self.loop.done:
+        if not self.sched.done:
             raise RuntimeError("the run has not finished: iterate it to the end first")
-        return [self._completion(r) for r in (self.reqs if self.loop.moves is None else self.loop.finished)]
+        return [self._completion(r) for r in (self.reqs if self.sched.moves is None else self.sched.finished)]
 
     def _completion(self, r: Request) -> Completion:
         new = r.new_tokens().tolist()

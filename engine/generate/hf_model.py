@@ -1,7 +1,8 @@
-"""A transformers causal LM behind the engine's model seam (:class:`~.model.Model`):
+"""A transformers causal LM behind the engine's model seam (:class:`kvmem.engine.forward.Model`):
 :class:`TransformersModel` runs each iteration's packed batch as one forward pass whose
 attention reads and writes kvmem's pages (:mod:`.attention`), and samples the next
-tokens; :func:`check_geometry` and :func:`serve_flags` match a pool to the model.
+tokens; :func:`check_geometry` and :func:`serve_flags` match a pool to the model
+(defined in :mod:`.geometry`, which loads no torch, and re-exported here).
 
 One forward per iteration: ``model(input_ids=[1, T], position_ids=[1, T],
 use_cache=False, logits_to_keep=<the sampled positions>, kvmem=<PagedBatch>)``; the LM
@@ -16,15 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvmem.v1 import kvmem_pb2
-
+from ..forward import ForwardBatch, ForwardOutput
 from .attention import ATTENTION, PagedBatch
-from .model import ForwardBatch, ForwardOutput
+from .geometry import Geometry, GeometryMismatch, check_geometry, serve_flags
 
 __all__ = [
     "TRANSFORMERS_TESTED",
@@ -41,80 +41,6 @@ __all__ = [
 TRANSFORMERS_TESTED = "==5.23.0"
 """The transformers versions the hook is proven on (the ``model`` extra's pin; a test
 fails on any other)."""
-
-
-class GeometryMismatch(ValueError):
-    """The pool's KV layout is not the model's; the message gives the serve flags."""
-
-
-class Geometry(NamedTuple):
-    """What a pool must share with a model: per token, ``layers`` x (K, V) of
-    ``kv_heads`` x ``head_dim`` elements of ``dtype`` (a torch dtype name)."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-
-    @classmethod
-    def of_model(cls, config: Any, dtype: torch.dtype | str | None = None) -> Geometry:
-        """The geometry a transformers config needs (``dtype``: the weights' dtype;
-        default the config's, else float32)."""
-        heads = int(config.num_attention_heads)
-        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(int(config.num_hidden_layers), int(kv_heads), int(head_dim), _dtype_name(dtype or config.dtype))
-
-    @classmethod
-    def of_pool(cls, geometry: kvmem_pb2.PoolGeometry) -> Geometry | None:
-        """A server's geometry (its Attach answer); None: no MHA KV memory."""
-        layout = geometry.layout
-        if not geometry.HasField("layout") or layout.format != kvmem_pb2.KV_FORMAT_MHA:
-            return None
-        return cls(int(layout.num_layers), int(layout.num_kv_heads), int(layout.head_dim), layout.dtype)
-
-    @classmethod
-    def of_tensors(cls, kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Geometry:
-        """The geometry of per-layer ``(K, V)`` tensors ``[num_tokens, kv_heads, head_dim]``."""
-        k = kv_cache[0][0]
-        return cls(len(kv_cache), int(k.shape[1]), int(k.shape[2]), _dtype_name(k.dtype))
-
-
-def _dtype_name(dtype: torch.dtype | str | None) -> str:
-    if dtype is None:
-        return "float32"
-    return str(dtype).removeprefix("torch.")
-
-
-def serve_flags(config: Any, dtype: torch.dtype | str | None = None) -> str:
-    """The ``kvmem serve`` flags of a pool for this model, e.g. ``--format mha
-    --layers 30 --kv-heads 3 --head-dim 64 --dtype float32``."""
-    g = Geometry.of_model(config, dtype)
-    return f"--format mha --layers {g.layers} --kv-heads {g.kv_heads} --head-dim {g.head_dim} --dtype {g.dtype}"
-
-
-def check_geometry(
-    config: Any, pool: kvmem_pb2.PoolGeometry | Geometry, dtype: torch.dtype | str | None = None
-) -> None:
-    """Refuse a pool whose KV layout is not the model's, in one line that names what
-    differs and the ``kvmem serve`` flags the model needs."""
-    want = Geometry.of_model(config, dtype)
-    have = pool if isinstance(pool, Geometry) else Geometry.of_pool(pool)
-    if have == want:
-        return
-    if have is None:
-        differs = "the server has no MHA KV memory"
-    else:
-        differs = ", ".join(
-            f"{name.replace('_', ' ')} {h} (the model's {w})"
-            for name, h, w in zip(Geometry._fields, have, want, strict=True)
-            if h != w
-        )
-        differs = f"the pool has {differs}"
-    raise GeometryMismatch(
-        f"the kvmem pool does not fit this model: {differs}; start the server with: kvmem serve "
-        f"{serve_flags(config, dtype)}"
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -154,7 +80,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
 
 
 class TransformersModel:
-    """A transformers causal LM as the scheduler's :class:`~.model.Model`.
+    """A transformers causal LM as the scheduler's :class:`~kvmem.engine.forward.Model`.
 
     ``kv_cache``: per layer ``(K, V)`` ``[num_tokens, kv_heads, head_dim]`` (kvmem's
     :meth:`kvmem.client.KVMemClient.kv_cache`, or plain tensors); ``block_table``: the
@@ -198,7 +124,7 @@ class TransformersModel:
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """One forward pass over the batch's tokens; the next token after each sampled
-        position (see :mod:`.model`)."""
+        position (see :mod:`kvmem.engine.forward`)."""
         if batch.num_tokens == 0:
             return ForwardOutput(np.zeros(0, dtype=np.int32))
         if batch.kv_loc is None:
@@ -221,7 +147,7 @@ class TransformersModel:
             tokens = sample(logits, self.sampling, self.generator)
         self.last_logits = logits
         self.num_forwards += 1
-        return ForwardOutput(tokens.to(device="cpu", dtype=torch.int32).numpy())
+        return ForwardOutput(tokens.to(device="cpu", dtype=torch.int32).numpy(), logits)
 
 
 def sampled_positions(batch: ForwardBatch) -> np.ndarray:

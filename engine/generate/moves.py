@@ -30,7 +30,7 @@ import signal
 import time
 from typing import Any
 
-from .handoff import Moves
+from ..handoff import Moves
 
 __all__ = ["ROLES", "Router", "WorkerMoves"]
 
@@ -39,18 +39,21 @@ ACK_WAIT_S = 120.0  # how long a giver waits for its tickets' adoption before it
 
 
 class WorkerMoves:
-    """A worker's side: its :class:`~.handoff.Moves`, its inbox, the acks of its tickets,
+    """A worker's side: its :class:`~kvmem.engine.handoff.Moves`, its inbox, the acks of its tickets,
     and SIGTERM (a drain)."""
 
-    def __init__(self, worker: int, role: str, messages: Any, inbox: Any, acks: Any, max_new_tokens: int) -> None:
+    def __init__(self, worker: int, role: str, messages: Any, inbox: Any, acks: Any) -> None:
         self.worker, self.messages, self._inbox, self._acks = worker, messages, inbox, acks
         self.closed = inbox is None
         self.outstanding: set[str] = set()
         self._idle_sent = False
         self.moves = Moves(
-            give_after_first=role == "prefill", inbox=self.take if inbox is not None else None,
-            on_given=self.given, more=self.more, max_new_tokens=max_new_tokens, on_adopted=self.adopted,
-        )  # fmt: skip
+            give_after_first=role == "prefill",
+            inbox=self.take if inbox is not None else None,
+            on_given=self.given,
+            more=self.more,
+            on_adopted=self.adopted,
+        )
         signal.signal(signal.SIGTERM, self._drain)
 
     def _drain(self, _signum: int, _frame: Any) -> None:

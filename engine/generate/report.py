@@ -18,8 +18,11 @@ def _summary(seconds: list[float]) -> dict[str, float]:
     if not seconds:
         return {"p50": 0.0, "mean": 0.0, "n": 0}
     ordered = sorted(seconds)
-    return {"p50": round(ordered[len(ordered) // 2] * 1000, 3), "mean": round(sum(ordered) / len(ordered) * 1000, 3),
-            "n": len(ordered)}  # fmt: skip
+    return {
+        "p50": round(ordered[len(ordered) // 2] * 1000, 3),
+        "mean": round(sum(ordered) / len(ordered) * 1000, 3),
+        "n": len(ordered),
+    }
 
 
 def _first_difference(got: list[int], want: list[int]) -> int:
@@ -91,12 +94,14 @@ def report(
         "prefix_hit_rate": round(matched / prompt_tokens, 4) if prompt_tokens else 0.0,
         "seconds": round(elapsed, 3),
         "pool": {
-            "used": int(pool.num_used_pages), "cached": int(pool.num_cached_pages), "free": int(pool.num_free_pages),
+            "used": int(pool.num_used_pages),
+            "cached": int(pool.num_cached_pages),
+            "free": int(pool.num_free_pages),
             "total": int(pool.num_pages_total),
         },
         "mismatches": mismatches,
         "errors": errors,
-    }  # fmt: skip
+    }
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")

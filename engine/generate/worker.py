@@ -3,7 +3,7 @@ prompts (``--prompts FILE.jsonl`` or the built-in chat set), the model's loading
 config.
 
 A worker (:func:`worker_main`, started with multiprocessing's spawn by
-:mod:`kvmem.engine.generate_command`) loads the model, attaches an
+:mod:`.command`) loads the model, attaches an
 :class:`~kvmem.engine.generate.Engine` to the server (its geometry checked), waits for the
 ``go`` event, completes its share of the prompts greedily and, unless told not to,
 computes each one's reference with the same model's own ``generate(do_sample=False)``
@@ -24,7 +24,10 @@ import os
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
+
+from ..process import Flag, Messages
+from .geometry import model_config as model_config  # moved there (no torch); bench/engine_bench.py imports it here
 
 REPORT_S = 0.25
 SYSTEM_PROMPTS = (
@@ -144,55 +147,14 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _load_directory(model: str | None, *, dtype: Any = None) -> tuple[Any, Any]:
-    """Until :mod:`kvmem.engine.models` exists: a transformers model directory, fp32,
-    and its tokenizer when it has one."""
-    if model is None or not os.path.isdir(model):
-        raise RuntimeError(
-            f"cannot load {model or 'the bundled SmolLM2'}: this install has no kvmem.engine.models; "
-            "give --model a transformers model directory"
-        )
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or torch.float32).eval()
-    has_tokenizer = any(
-        os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    )
-    return loaded, AutoTokenizer.from_pretrained(model) if has_tokenizer else None
-
-
 def load_model(model: str | None) -> tuple[Any, Any]:
     """The model (fp32, eval) and its tokenizer (or None) for ``--model``."""
     import torch
 
-    try:
-        from kvmem.engine.models import load  # type: ignore[import-not-found,unused-ignore]
-    except ModuleNotFoundError as err:
-        if err.name != "kvmem.engine.models":
-            raise
-        return _load_directory(model, dtype=torch.float32)
+    from .models import load
+
     loaded, tokenizer = load(model, dtype=torch.float32)
     return loaded.eval(), tokenizer
-
-
-def model_config(model: str | None) -> Any:
-    """The model's transformers config: read from a directory's config.json, else loaded."""
-    if model is not None and os.path.isfile(os.path.join(model, "config.json")):
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(model)
-    return load_model(model)[0].config
-
-
-def stop_tokens(model: Any, tokenizer: Any) -> list[int]:
-    """What ends a completion: the generation config's EOS, else the tokenizer's."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
 
 def encode(prompt: Prompt, tokenizer: Any, model: str | None) -> list[int]:
@@ -208,14 +170,6 @@ def encode(prompt: Prompt, tokenizer: Any, model: str | None) -> list[int]:
         text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt.text)["input_ids"])
-
-
-class Messages(Protocol):
-    def put(self, item: dict[str, Any]) -> None: ...
-
-
-class Flag(Protocol):
-    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -236,7 +190,7 @@ class GenerateConfig:
     api: str = "client"
     speculate: int = 0
     corrupt: bool = False  # test hook: the first completion's last token is reported off by one
-    role: str = "mixed"  # mixed, prefill or decode (see .generate_moves)
+    role: str = "mixed"  # mixed, prefill or decode (see .moves)
     drain_after: int = 0  # test hook: SIGTERM itself once it has generated this many tokens (0: never)
 
 
@@ -245,7 +199,7 @@ def worker_main(
 ) -> None:
     """A worker process's entry (see the module's docstring); ``check``: set once every
     worker has generated, so no worker's check runs beside another's timed generation;
-    ``inbox`` and ``acks``: its queues of the hand-off protocol (:mod:`.generate_moves`;
+    ``inbox`` and ``acks``: its queues of the hand-off protocol (:mod:`.moves`;
     None: it moves nothing)."""
     w = config.worker
     try:
@@ -253,7 +207,7 @@ def worker_main(
     except Exception as err:
         from kvmem.client.errors import KVMemError
 
-        from .hf_model import GeometryMismatch
+        from .geometry import GeometryMismatch
 
         if isinstance(err, GeometryMismatch | PromptError | LoadError | KVMemError):
             message = str(err)
@@ -268,8 +222,8 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
     import torch
 
     from .attention import ATTENTION
-    from .generate import Delta, Engine
-    from .generate_moves import WorkerMoves
+    from .engine import Delta, Engine, stop_tokens
+    from .moves import WorkerMoves
 
     w = config.worker
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
@@ -302,22 +256,34 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
 
     moves = None
     if inbox is not None or acks is not None:
-        moves = WorkerMoves(w, config.role, messages, inbox, acks, config.max_new_tokens)
+        moves = WorkerMoves(w, config.role, messages, inbox, acks)
 
     with Engine(
-        model, config.target, tokenizer=tokenizer, name=config.session, cache_namespace=config.namespace,
-        auth_token=config.auth_token, max_running=config.max_running, api=config.api,
-    ) as engine:  # fmt: skip
+        model,
+        config.target,
+        tokenizer=tokenizer,
+        name=config.session,
+        cache_namespace=config.namespace,
+        auth_token=config.auth_token,
+        max_running=config.max_running,
+        api=config.api,
+    ) as engine:
         messages.put({"kind": "ready", "worker": w})
         go.wait()
         hook = model.register_forward_hook(on_forward, with_kwargs=True)
         started = time.monotonic()
         try:
             out = engine.generate(
-                ids, max_new_tokens=config.max_new_tokens, stop_token_ids=stops, token_budget=config.token_budget,
-                speculate=config.speculate, on_delta=took, moves=None if moves is None else moves.moves,
-                started_at=started, indices=[p.index for p in config.prompts],
-            )  # fmt: skip
+                ids,
+                max_new_tokens=config.max_new_tokens,
+                stop_token_ids=stops,
+                token_budget=config.token_budget,
+                speculate=config.speculate,
+                on_delta=took,
+                moves=None if moves is None else moves.moves,
+                started_at=started,
+                indices=[p.index for p in config.prompts],
+            )
             elapsed = time.monotonic() - started
             if moves is not None:
                 moves.finish()  # its tickets adopted before its session ends
@@ -325,8 +291,9 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
             hook.remove()
         figures = dataclasses.asdict(engine.figures)
         if moves is not None:
-            figures.update(handed_off=moves.moves.num_given, adopted=moves.moves.num_adopted,
-                           drained=moves.moves.draining)  # fmt: skip
+            figures.update(
+                handed_off=moves.moves.num_given, adopted=moves.moves.num_adopted, drained=moves.moves.draining
+            )
     references = None
     if config.check:
         messages.put({"kind": "checking", "worker": w, **counts, "elapsed_s": elapsed})
@@ -345,9 +312,16 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
         ids_out = completions[0]["token_ids"]
         ids_out[-1] = (ids_out[-1] + 1) % int(model.config.vocab_size)
     messages.put(
-        {"kind": "done", "worker": w, **counts, "elapsed_s": elapsed, "figures": figures,
-         "completions": completions, "references": references},
-    )  # fmt: skip
+        {
+            "kind": "done",
+            "worker": w,
+            **counts,
+            "elapsed_s": elapsed,
+            "figures": figures,
+            "completions": completions,
+            "references": references,
+        },
+    )
 
 
 def _reference(model: Any, prompt: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:

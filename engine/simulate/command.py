@@ -1,5 +1,5 @@
 """``kvmem simulate``: its options and help (the run itself, which imports torch:
-:mod:`kvmem.engine.run`). The ``kvmem`` dispatcher (:mod:`kvmem.cli`) imports this
+:mod:`kvmem.engine.simulate.run`). The ``kvmem`` dispatcher (:mod:`kvmem.cli`) imports this
 module only for ``simulate``."""
 
 from __future__ import annotations
@@ -264,6 +264,6 @@ def add_parser(sub: Any, name: str = "simulate") -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``kvmem simulate`` with the parsed options."""
-    from kvmem.engine.run import simulate  # imports torch: only when run
+    from kvmem.engine.simulate.run import simulate  # imports torch: only when run
 
     return simulate(args)

@@ -10,7 +10,7 @@ Each baseline worker runs the same :class:`~kvmem.engine.scheduler.Scheduler`
 and workload as a kvmem worker, with one reference allocator of its own (no sharing, no
 prefix cache: the reference has none; a scheduler brings its own tree) as large as the
 server's pool, so what it holds is what the workload needs without sharing. Its model is
-the same :class:`~kvmem.engine.model.SyntheticModel` without KV memory (the reference
+the same :class:`~kvmem.engine.simulate.synthetic.SyntheticModel` without KV memory (the reference
 has none): it samples the workload's tokens, writes nothing, sleeps nothing. What is
 compared is the allocator's time per scheduler iteration, the pages held, and the
 prefill the shared cache saved.
@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from kvmem.engine.backend import OUT_OF_PAGES, Outcome, Plan
-from kvmem.engine.model import SyntheticModel
-from kvmem.engine.scheduler import Scheduler
-from kvmem.engine.worker import Flag, Messages, WorkerConfig, drive
+from ..backend import OUT_OF_PAGES, Outcome, Plan
+from ..process import Flag, Messages
+from .policy import scheduler
+from .synthetic import SyntheticModel
+from .worker import WorkerConfig, drive
 
 REFERENCE_RELPATH = pathlib.Path("shared") / "reference" / "seed_kv_allocator.py"
 
@@ -128,11 +129,11 @@ class ReferenceBackend:
 
     def step(self, plan: Plan) -> Outcome:
         ra, ps, alloced = self.ra, self.page_size, self._alloced
-        for slot in plan.release_slots:
+        for slot in plan.release_slots.tolist():
             ra.free_req_cache(slot, alloced[slot])
             alloced[slot] = 0
             self._free.append(slot)
-        for slot, new_len in zip(plan.truncate_slots, plan.truncate_lens, strict=True):
+        for slot, new_len in zip(plan.truncate_slots.tolist(), plan.truncate_lens.tolist(), strict=True):
             keep, had = -(-new_len // ps), -(-alloced[slot] // ps)
             if had > keep:  # a copy: the row may be rewritten before the group ends (its defect 3)
                 ra.append_to_later_free(ra.req_to_page[slot, keep:had].clone())
@@ -141,7 +142,7 @@ class ReferenceBackend:
         n = len(plan.alloc_slots)
         status = np.zeros(n, dtype=np.int8)
         offsets = np.zeros(n + 1, dtype=np.int64)
-        for i, (slot, need) in enumerate(zip(plan.alloc_slots, plan.alloc_needs, strict=True)):
+        for i, (slot, need) in enumerate(zip(plan.alloc_slots.tolist(), plan.alloc_needs.tolist(), strict=True)):
             if ra.alloc(slot, need, alloced[slot]) is None:  # out of pages or too long: it cannot tell
                 status[i] = OUT_OF_PAGES
                 offsets[i + 1] = offsets[i]
@@ -188,8 +189,8 @@ def baseline_main(config: BaselineConfig, messages: Messages, go: Flag, stop: Fl
             max_context=config.max_context,
         )
         model = SyntheticModel(None)  # no KV memory: it samples the workload's tokens
-        sched = Scheduler(backend, model, w.spec, w.worker, max_running=w.max_running, chunk_tokens=w.chunk_tokens)
-        drive(sched, w, messages, go, stop, backend.pages)
+        sim = scheduler(backend, model, w.spec, w.worker, max_running=w.max_running, chunk_tokens=w.chunk_tokens)
+        drive(sim, w, messages, go, stop, backend.pages)
     except BaseException as exc:  # reported to the command, which fails the run
         import traceback
 

@@ -4,7 +4,6 @@ the plot of the pool and the hit rate over time."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import time
 from collections.abc import Sequence
@@ -12,9 +11,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from kvmem.engine.scheduler import Counters
-
-COUNTERS = tuple(f.name for f in dataclasses.fields(Counters))  # what each worker reports, cumulative
+from .policy import COUNTERS  # what each worker reports, cumulative
 
 
 class RunState:

@@ -1,11 +1,11 @@
 """``kvmem simulate``: scheduler worker processes against one server, a live view, a report.
 
-The workers are clients (``kvmem.engine.worker``, started with multiprocessing's
+The workers are clients (``kvmem.engine.simulate.worker``, started with multiprocessing's
 spawn); this module finds or starts the server, sizes the workload to it, starts the
 workers together, gathers their messages and the server's Stats, shows them, and ends
-with the report (:mod:`kvmem.engine.report`). ``--baseline`` then runs the same
-workload on the reference allocator (:mod:`kvmem.engine.reference`). Options
-and help: :mod:`kvmem.engine.command`.
+with the report (:mod:`kvmem.engine.simulate.report`). ``--baseline`` then runs the same
+workload on the reference allocator (:mod:`kvmem.engine.simulate.reference`). Options
+and help: :mod:`kvmem.engine.simulate.command`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from kvmem.client.errors import KVMemError
-from kvmem.engine.worker import WorkerConfig, worker_main
-from kvmem.engine.workload import WorkloadSpec, combined_digest
 
+from ..process import join
+from ..server_process import OwnServer, UsageError, own_server_argv, server_for
 from .reference import ReferenceMissing
 from .report import (
     LiveView,
@@ -40,7 +40,8 @@ from .report import (
     worker_rows,
     worker_table,
 )
-from .server_process import OwnServer, UsageError, own_server_argv, server_for
+from .worker import WorkerConfig, worker_main
+from .workload import WorkloadSpec, combined_digest
 
 SAMPLE_S = 0.1  # how often the pool is sampled from Stats
 APIS = {  # --api: what the workers drive kvmem through
@@ -138,11 +139,7 @@ def _run(
         if not run.finished:  # interrupted: the workers stop (and detach) at their next iteration
             stop.set()
         go.set()
-        for proc in procs:
-            proc.join(timeout=15)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
+        join(procs, timeout=15)
     run.elapsed_s = max((m.get("elapsed_s", 0.0) for m in run.final.values()), default=0.0)
     sample(run)
     view.clear()

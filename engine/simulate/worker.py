@@ -1,13 +1,14 @@
-"""A ``kvmem simulate`` worker process: one scheduler (:mod:`.scheduler`) on kvmem's
-batched client (``--api client``) or on the drop-in for the reference allocator's users
-(``--api compat``, :mod:`.compat_driver`), its model (:mod:`.model`; the synthetic one
-unless the config names another) writing K/V through the mapped memory, and checking it.
+"""A ``kvmem simulate`` worker process: the engine's scheduler with the simulator's
+policy (:mod:`.policy`) on kvmem's batched client (``--api client``) or on the drop-in
+for the reference allocator's users (``--api compat``, :mod:`kvmem.engine.compat_backend`),
+its model (:mod:`.synthetic`, unless the config names another) writing K/V through the
+mapped memory, and checking it.
 
-The command (``kvmem.engine.run``) starts these with multiprocessing's spawn and
+The command (:mod:`.run`) starts these with multiprocessing's spawn and
 reads their messages from a queue, each a dict with a ``kind``:
 
 * ``ready``: attached and mapped; the worker waits for the ``go`` event;
-* ``progress``: the cumulative :class:`~.scheduler.Counters`, the Step
+* ``progress``: the cumulative figures (:func:`.policy.counters`), the Step
   latencies since the last message (seconds), requests running and waiting, the
   allocator's round trips to the server (Steps and Opens);
 * ``done``: the last progress, the workload digest, ``stopped`` if told to stop early;
@@ -26,32 +27,22 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from .backend import Outcome, Plan
-from .model import Model, ModelFailure, ReadBack, SyntheticModel
-from .scheduler import Scheduler, SimulationFailure
+from ..backend import KVMemBackend
+from ..forward import Model, ModelFailure
+from ..process import Flag, Messages
+from .policy import SimulationFailure, SimWorker, progress, scheduler
+from .synthetic import ReadBack, SyntheticModel
 from .workload import WorkloadSpec
 
 if TYPE_CHECKING:
-    from .compat_driver import CompatBackend
+    from kvmem.client.compat import KVAllocator
+
+    from ..compat_backend import CompatBackend
     from .kv_check import KVMemory
 
 NAMESPACE = "kvmem-simulate-1"  # the prefix-cache namespace: only simulate's own K/V pattern in it
-
-
-class Messages(Protocol):
-    """What the workers report into (a ``multiprocessing`` queue)."""
-
-    def put(self, item: dict[str, Any]) -> None: ...
-
-
-class Flag(Protocol):
-    """A ``multiprocessing`` event."""
-
-    def is_set(self) -> bool: ...
-
-    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,10 +51,10 @@ class WorkerConfig:
     workload's request count ends the run); ``forward_s``: the synthetic model's forward
     pass per iteration, slept after it writes the K/V (the scheduler's own work comes on
     top, as in an engine that schedules between forward passes); ``corrupt``: the test
-    hook of :class:`~.scheduler.Scheduler`; ``api``: ``client`` (the batched client) or
+    hook of :func:`.policy.scheduler`; ``api``: ``client`` (the batched client) or
     ``compat`` (the drop-in); ``model``: builds the worker's model from its mapped KV
-    memory (picklable: a module-level function; None: :class:`~.model.SyntheticModel`);
-    a model that is a :class:`~.model.ReadBack` has each request checked before its
+    memory (picklable: a module-level function; None: :class:`~.synthetic.SyntheticModel`);
+    a model that is a :class:`~.synthetic.ReadBack` has each request checked before its
     release."""
 
     target: str
@@ -81,72 +72,17 @@ class WorkerConfig:
     model: Callable[[KVMemory], Model] | None = None
 
 
-class KVMemBackend:
-    """The scheduler's allocator: a kvmem session, one Step per iteration."""
-
-    def __init__(self, kv: Any) -> None:
-        from kvmem.client.errors import NoFreeRequestSlot
-
-        self.kv = kv
-        self.page_size = int(kv.geometry.page_size)
-        self._no_slot = NoFreeRequestSlot
-        self.round_trips = 0
-
-    def open(self, request_ids: list[str]) -> list[int] | None:
-        self.round_trips += 1
-        try:
-            slots: list[int] = self.kv.open(request_ids).tolist()
-        except self._no_slot:
-            return None
-        return slots
-
-    def step(self, plan: Plan) -> Outcome:
-        self.round_trips += 1
-        r = self.kv.step(
-            release_slots=plan.release_slots,
-            release_token_ids=plan.release_tokens if plan.release_slots else None,
-            truncate_slots=plan.truncate_slots,
-            truncate_lens=plan.truncate_lens,
-            cache=plan.cache or None,
-            match=plan.match or None,
-            alloc_slots=plan.alloc_slots,
-            alloc_needs=plan.alloc_needs,
-            alloc_expected_lens=plan.alloc_expected if plan.alloc_slots else None,
-            handoff=plan.handoff_slots or None,
-            handoff_states=plan.handoff_states or None,
-            adopt=plan.adopt or None,
-        )
-        out = Outcome(r.status.numpy(), r.kv_loc.numpy(), r.kv_loc_offsets.numpy(), r.match_lens.numpy())
-        if plan.handoff_slots:
-            out.tickets = r.tickets
-        return out
-
-
-def progress(sched: Scheduler, elapsed_s: float, kind: str = "progress", **extra: Any) -> dict[str, Any]:
-    """A message of the scheduler's state; takes the latencies gathered since the last."""
-    latencies, sched.latencies = sched.latencies, []
-    return {
-        "kind": kind,
-        "worker": sched.worker,
-        "elapsed_s": elapsed_s,
-        "running": len(sched.running),
-        "waiting": len(sched.waiting),
-        "latencies": latencies,
-        **dataclasses.asdict(sched.counters),
-        **extra,
-    }
-
-
 def drive(
-    sched: Scheduler,
+    sim: SimWorker,
     config: WorkerConfig,
     messages: Messages,
     go: Flag,
     stop: Flag,
     extra: Callable[[], dict[str, Any]] = dict,
 ) -> None:
-    """Run ``sched`` to the end of its workload (or ``stop``), reporting to ``messages``
+    """Run ``sim`` to the end of its workload (or ``stop``), reporting to ``messages``
     every ``config.report_interval_s``. ``extra``: more fields for each message."""
+    sched = sim.sched
     messages.put({"kind": "ready", "worker": config.worker})
     go.wait()
     start = last = time.perf_counter()
@@ -159,13 +95,13 @@ def drive(
         try:
             sched.iteration()  # its Step, then its model's forward pass
         except SimulationFailure as failure:
-            messages.put(progress(sched, now - start, "failure", message=str(failure), **extra()))
+            messages.put(progress(sim, now - start, "failure", message=str(failure), **extra()))
             return
         if now - last >= config.report_interval_s:
-            messages.put(progress(sched, now - start, **extra()))
+            messages.put(progress(sim, now - start, **extra()))
             last = now
     elapsed = time.perf_counter() - start
-    final = progress(sched, elapsed, "done", stopped=not sched.done, digest=sched.digest.hexdigest(), **extra())
+    final = progress(sim, elapsed, "done", stopped=not sched.done, digest=sim.digest.hexdigest(), **extra())
     messages.put(final)
 
 
@@ -183,7 +119,7 @@ def worker_main(config: WorkerConfig, messages: Messages, go: Flag, stop: Flag) 
         torch.set_num_threads(1)
 
         if config.api == "compat":
-            from .compat_driver import CompatBackend, compat_allocator
+            from ..compat_backend import CompatBackend
 
             with compat_allocator(config) as allocator:
                 # A switched scheduler reads its block table as req_to_page, by request index.
@@ -213,7 +149,7 @@ def _run(
     planes = planes_of([mapped.kv_cache(rank) for rank in range(mapped.num_ranks)])
     memory = KVMemory(planes, block_table, backend.page_size)
     model = config.model(memory) if config.model is not None else SyntheticModel(memory, config.forward_s)
-    sched = Scheduler(
+    sim = scheduler(
         backend,
         model,
         config.spec,
@@ -223,7 +159,11 @@ def _run(
         read_back=model if isinstance(model, ReadBack) else None,
         corrupt=config.corrupt,
     )
-    drive(sched, config, messages, go, stop, lambda: {"api": config.api, "round_trips": backend.round_trips})
+
+    def round_trips() -> dict[str, Any]:
+        return {"api": config.api, "round_trips": backend.round_trips}
+
+    drive(sim, config, messages, go, stop, round_trips)
 
 
 def _describe(exc: BaseException) -> str:
@@ -238,3 +178,20 @@ def _describe(exc: BaseException) -> str:
         cause = exc.__cause__
         return f"{exc}" + ("\n" + "".join(traceback.format_exception(cause)).rstrip() if cause is not None else "")
     return "".join(traceback.format_exception(exc)).rstrip()
+
+
+def compat_allocator(config: WorkerConfig) -> KVAllocator:
+    """The drop-in as a switched scheduler constructs it: the server's address, its
+    request pool's size, a name and the cache namespace."""
+    from kvmem.client.compat import KVAllocator
+
+    return KVAllocator(
+        config.target,
+        # Indices held at once: the running requests, and those finished or preempted whose
+        # release goes out with the next iteration's block.
+        max_batch_size=2 * config.max_running,
+        name=f"simulate-{config.run_id}-w{config.worker}",
+        cache_namespace=NAMESPACE,
+        auth_token=config.auth_token,
+        request_id_prefix=f"w{config.worker}-i",
+    )

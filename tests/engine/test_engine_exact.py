@@ -24,9 +24,9 @@ from conftest import ServerProcess, short_tmpdir, start_server
 from tiny_llama import SERVE_FLAGS, VOCAB, tiny_llama
 from transformers import LlamaForCausalLM
 
-from kvmem.engine.attention import ATTENTION
+from kvmem.engine.generate.attention import ATTENTION
 from kvmem.engine.generate import Engine
-from kvmem.engine.loop import propose_drafts
+from kvmem.engine.generate.engine import propose_drafts
 
 NEW_TOKENS = 16
 LENGTHS = (5, 13, 20, 9, 3, 27)

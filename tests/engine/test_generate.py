@@ -17,9 +17,9 @@ from conftest import ServerProcess, short_tmpdir, start_server
 from tiny_llama import SERVE_FLAGS, VOCAB, greedy, tiny_config, tiny_llama
 from transformers import LlamaForCausalLM
 
-from kvmem.engine.attention import ATTENTION
+from kvmem.engine.generate.attention import ATTENTION
 from kvmem.engine.generate import Engine
-from kvmem.engine.hf_model import GeometryMismatch, Sampling
+from kvmem.engine.generate.hf_model import GeometryMismatch, Sampling
 
 NEW_TOKENS = 8
 LENGTHS = (5, 13, 20, 9, 3, 27)

@@ -1,15 +1,16 @@
-"""The model seam (:mod:`kvmem.engine.model`): what the scheduler loop hands its model
+"""The model seam (:mod:`kvmem.engine.forward`): what the scheduler hands its model
 each iteration, and what it does with the answer.
 
-The in-process runs drive the real :class:`~kvmem.engine.scheduler.Scheduler` on
-:class:`PagedBackend`, a paged allocator in the test's process (rows of page ids per
-request slot, a free list, no prefix cache, OUT_OF_PAGES when an alloc does not fit),
-with :class:`~kvmem.engine.model.SyntheticModel` writing K/V into plain tensors read
-through that block table. A recording model between them checks every batch as it
-passes: one forward per Step, positions contiguous per request from what it kept,
-``kv_loc`` the Step's token slots for that request and its row's addresses, the tokens
-the request's own (drafts apart). Then a model that raises, or answers the wrong shape,
-fails the loop, and a worker process's loop (in a thread, on a real server) says so.
+The in-process runs drive the real :class:`~kvmem.engine.scheduler.Scheduler` (with the
+simulator's policy) on :class:`PagedBackend`, a paged allocator in the test's process
+(rows of page ids per request slot, a free list, no prefix cache, OUT_OF_PAGES when an
+alloc does not fit), with :class:`~kvmem.engine.simulate.synthetic.SyntheticModel`
+writing K/V into plain tensors read through that block table. A recording model between
+them checks every batch as it passes: one forward per Step, positions contiguous per
+request from what it kept, ``kv_loc`` the Step's token slots for that request and its
+row's addresses, the tokens the request's own (drafts apart). Then a model that raises,
+or answers the wrong shape, fails the scheduler, and a worker process's loop (in a
+thread, on a real server) says so.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch
 from conftest import ServerProcess
 
 from kvmem.engine.backend import OK, OUT_OF_PAGES, Outcome, Plan
-from kvmem.engine.kv_check import KVMemory, Plane
-from kvmem.engine.model import Admission, ForwardBatch, ForwardOutput, ModelFailure, SyntheticModel
-from kvmem.engine.scheduler import Scheduler, SimulationFailure
-from kvmem.engine.worker import WorkerConfig, worker_main
-from kvmem.engine.workload import WorkloadSpec, generate
+from kvmem.engine.simulate.kv_check import KVMemory, Plane
+from kvmem.engine.forward import Admission, ForwardBatch, ForwardOutput, ModelFailure
+from kvmem.engine.simulate.policy import SimulationFailure, SimWorker, counters, scheduler
+from kvmem.engine.simulate.synthetic import SyntheticModel
+from kvmem.engine.simulate.worker import WorkerConfig, worker_main
+from kvmem.engine.simulate.workload import WorkloadSpec, generate
 
 SPEC = WorkloadSpec(
     seed=5, requests=16, arrival_rate=0.5, prompt_len=40, output_len=30, system_prompts=2, system_prompt_len=32,
@@ -132,7 +134,7 @@ class Recording:
             a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
             pos, loc, tokens = batch.positions[a:b], batch.kv_loc[a:b], batch.token_ids[a:b]
             start, end = self.kept[rid], int(batch.seq_lens[i])
-            assert self.backend.ids[row] == rid
+            assert self.backend.ids[row] == rid.rsplit(".", 1)[0]  # the allocator's id: this admission's
             assert np.array_equal(pos, np.arange(start, end)), (rid, pos, start)  # contiguous, from what it kept
             assert np.array_equal(loc, handed[row])  # the Step's slots for this request...
             pages = self.backend.table[row].numpy().astype(np.int64)
@@ -153,17 +155,15 @@ class Recording:
         return out
 
 
-def scheduler(model: Any, backend: PagedBackend, read_back: Any = None, corrupt: bool = False) -> Scheduler:
-    return Scheduler(
-        backend, model, SPEC, 0, max_running=6, chunk_tokens=96, read_back=read_back, corrupt=corrupt
-    )  # fmt: skip
+def simulation(model: Any, backend: PagedBackend, read_back: Any = None, corrupt: bool = False) -> SimWorker:
+    return scheduler(backend, model, SPEC, 0, max_running=6, chunk_tokens=96, read_back=read_back, corrupt=corrupt)
 
 
-def run(sched: Scheduler, limit: int = 5000) -> None:
+def run(sim: SimWorker, limit: int = 5000) -> None:
     for _ in range(limit):
-        if sched.done:
+        if sim.sched.done:
             return
-        sched.iteration()
+        sim.sched.iteration()
     raise AssertionError(f"not done after {limit} iterations")
 
 
@@ -171,12 +171,12 @@ def test_each_iteration_hands_the_model_one_packed_batch_of_what_the_step_alloca
     backend = PagedBackend(num_pages=60, num_slots=16)
     synthetic = SyntheticModel(memory_of(backend, 60))
     model = Recording(synthetic, backend)
-    sched = scheduler(model, backend, read_back=synthetic)
-    run(sched)
-    c = sched.counters
-    assert len(model.batches) == len(backend.handed) == c.steps == synthetic.num_forwards
-    assert c.done == 16 and c.preemptions > 0 and c.rejected_tokens > 0, c  # a small pool; drafts rejected
-    assert c.verified_requests >= c.done  # every release read back what the model wrote
+    sim = simulation(model, backend, read_back=synthetic)
+    run(sim)
+    c = counters(sim)
+    assert len(model.batches) == len(backend.handed) == c["steps"] == synthetic.num_forwards
+    assert c["done"] == 16 and c["preemptions"] > 0 and c["rejected_tokens"] > 0, c  # a small pool; drafts rejected
+    assert c["verified_requests"] >= c["done"]  # every release read back what the model wrote
     assert not model.live  # every admitted request was released, and the model told
     assert any(b.num_requests > 1 for b in model.batches) and any(b.num_tokens == 0 for b in model.batches)
     # What the model sampled became the requests' tokens: each finished one is the workload's.
@@ -217,7 +217,7 @@ def test_a_wrong_value_the_model_wrote_is_caught_at_the_read_back() -> None:
     backend = PagedBackend(num_pages=60, num_slots=16)
     model = SyntheticModel(memory_of(backend, 60))
     with pytest.raises(SimulationFailure, match=r"worker 0: request w0-r\d+ .* reads wrong K/V at position \d+"):
-        run(scheduler(model, backend, read_back=model, corrupt=True))
+        run(simulation(model, backend, read_back=model, corrupt=True))
 
 
 class Boom:
@@ -234,9 +234,9 @@ def test_a_model_that_raises_or_answers_the_wrong_shape_fails_the_loop_saying_wh
     backend = PagedBackend(num_pages=60, num_slots=16)
     with pytest.raises(ModelFailure, match=r"the model's forward pass failed at iteration 0 \(\d+ requests, "
                                            r"\d+ tokens\): ValueError: boom"):  # fmt: skip
-        run(scheduler(Boom(), backend))
+        run(simulation(Boom(), backend))
     with pytest.raises(ModelFailure, match=r"answered next tokens of shape \(0,\) at iteration \d+ for \d+ sampled"):
-        run(scheduler(NoSamples(), PagedBackend(num_pages=60, num_slots=16)))
+        run(simulation(NoSamples(), PagedBackend(num_pages=60, num_slots=16)))
 
 
 class Messages:

