@@ -95,45 +95,72 @@ class ModelFailure(Exception):
 
 
 class BatchBuilder:
-    """Gathers one iteration's requests, then packs them (one concatenation per array)."""
+    """Gathers one iteration's requests, then packs them: the token ids into one array,
+    the token slots given whole (the Step's, when every request's are its, in order) or
+    gathered per request."""
 
-    __slots__ = ("_ids", "_kv_loc", "_num_samples", "_rows", "_starts", "_tokens")
+    __slots__ = ("_arrays", "_counts", "_ids", "_kv_loc", "_num_samples", "_rows", "_starts", "_tokens")
 
     def __init__(self) -> None:
         self._ids: list[str] = []
         self._rows: list[int] = []
         self._starts: list[int] = []
-        self._tokens: list[np.ndarray] = []
+        self._counts: list[int] = []
+        self._tokens: list[np.ndarray | int] = []  # an int: one token
         self._kv_loc: list[np.ndarray] = []
         self._num_samples: list[int] = []
+        self._arrays = 0  # entries whose tokens are an array
 
     def add(
-        self, request_id: str, row: int, start: int, tokens: np.ndarray, kv_loc: np.ndarray | None, samples: int
+        self,
+        request_id: str,
+        row: int,
+        start: int,
+        tokens: np.ndarray | int,
+        kv_loc: np.ndarray | None = None,
+        samples: int = 0,
     ) -> None:
-        """Request ``request_id`` computes ``tokens`` at positions ``start ..`` into
-        ``kv_loc`` (as many), its last ``samples`` positions sampled."""
+        """Request ``request_id`` computes ``tokens`` (an array, or one token id) at
+        positions ``start ..`` into ``kv_loc`` (as many; None: given whole to
+        :meth:`build`), its last ``samples`` positions sampled."""
         self._ids.append(request_id)
         self._rows.append(row)
         self._starts.append(start)
+        if isinstance(tokens, int):
+            self._counts.append(1)
+        else:
+            self._counts.append(tokens.size)
+            self._arrays += 1
         self._tokens.append(tokens)
         if kv_loc is not None:
             self._kv_loc.append(kv_loc)
         self._num_samples.append(samples)
 
-    def build(self, admitted: list[Admission], released: list[str], has_kv: bool) -> ForwardBatch:
+    def build(
+        self, admitted: list[Admission], released: list[str], has_kv: bool, kv_loc: np.ndarray | None = None
+    ) -> ForwardBatch:
+        """The batch; ``kv_loc``: every token's slot, in the order added (else those
+        given to :meth:`add` are concatenated)."""
         n = len(self._ids)
-        counts = np.fromiter((t.size for t in self._tokens), dtype=np.int64, count=n)
+        counts = np.array(self._counts, dtype=np.int64)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         starts = np.array(self._starts, dtype=np.int64)
         total = int(offsets[-1])
         positions = np.repeat(starts - offsets[:-1], counts) + np.arange(total, dtype=np.int64)
-        token_ids = np.concatenate(self._tokens).astype(np.int32, copy=False) if n else np.zeros(0, np.int32)
-        kv_loc = None
+        if not self._arrays:  # one token id each (decodes): a single conversion
+            token_ids = np.array(self._tokens, dtype=np.int32)
+        else:
+            token_ids = np.empty(total, dtype=np.int32)
+            for tokens, at, count in zip(self._tokens, offsets.tolist(), self._counts, strict=False):
+                token_ids[at : at + count] = tokens
+        loc = None
         if has_kv:
-            kv_loc = np.concatenate(self._kv_loc).astype(np.int64, copy=False) if n else np.zeros(0, np.int64)
-            if kv_loc.size != total:
-                raise ValueError(f"{kv_loc.size} token slots for {total} tokens: every token computed needs its kv_loc")
+            if kv_loc is None:
+                kv_loc = np.concatenate(self._kv_loc) if self._kv_loc else np.zeros(0, np.int64)
+            loc = kv_loc.astype(np.int64, copy=False)
+            if loc.size != total:
+                raise ValueError(f"{loc.size} token slots for {total} tokens: every token computed needs its kv_loc")
         sample_offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(self._num_samples, out=sample_offsets[1:])
         return ForwardBatch(
@@ -142,7 +169,7 @@ class BatchBuilder:
             offsets,
             token_ids,
             positions,
-            kv_loc,
+            loc,
             starts + counts,
             sample_offsets,
             admitted,

@@ -21,7 +21,7 @@ __all__ = ["Request", "pack", "unpack"]
 
 class Request:
     """One request. ``name``: its id in the engine (``rid`` adds how often it was
-    preempted: the allocator's request id of this admission); ``index``: its place
+    preempted: the allocator's request id of this admission, kept by the scheduler); ``index``: its place
     among the run's prompts (the youngest-first preemption breaks ties by it);
     ``arrival``: the scheduler iteration it arrives at; ``max_new``: the most tokens it
     samples (its tokens array holds the prompt and as many); ``origin``: what the
@@ -52,6 +52,7 @@ class Request:
         "origin",
         "preemptions",
         "prompt_len",
+        "rid",
         "since",
         "slot",
         "taken_here",
@@ -84,10 +85,7 @@ class Request:
         self.first_at = self.last_at = self.since = 0.0
         self.taken_here = self.computed_here = self.moves = 0
         self.ticket = ""
-
-    @property
-    def rid(self) -> str:
-        return f"{self.name}.{self.preemptions}"
+        self.rid = f"{self.name}.0"  # the allocator's id of this admission: name.preemptions
 
     def new_tokens(self) -> np.ndarray:
         return self.tokens[self.prompt_len : self.known]
@@ -120,6 +118,7 @@ def unpack(state: bytes) -> Request:
     r.tokens[: tokens.size] = tokens
     for name, value in values.items():
         setattr(r, name, value)
+    r.rid = f"{r.name}.{r.preemptions}"
     r.first_at = float(np.frombuffer(state[len(_FIELDS) * 8 : _HEAD], dtype="<f8")[0])
     r.alloced = r.computed
     return r

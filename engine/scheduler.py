@@ -188,6 +188,7 @@ class Scheduler:
         self.max_running = min(max_running, budget)
         self.policy = policy or Policy()
         self.stops = np.array(sorted(stops), dtype=np.int32)
+        self._stop_set = frozenset(int(t) for t in stops)
         self.keep_logits = keep_logits
         self.moves = moves
         self.on_arrival = on_arrival
@@ -333,6 +334,12 @@ class Scheduler:
         drafter = self.policy.drafts
         decoding = [r for r in requests if r.known - r.computed == 1]
         budget -= len(decoding)
+        if drafter is None:  # one token each: the columns in one pass each
+            steps.alloc_slots += [r.slot for r in decoding]
+            steps.alloc_needs += [1] * len(decoding)
+            steps.alloc_expected += [r.truncate_to if r.truncate_to >= 0 else r.alloced for r in decoding]
+            steps.items += [(r, 1, _EMPTY) for r in decoding]
+            decoding = []
         for r in decoding:
             drafts = _EMPTY
             room = min(budget, r.max_new - (r.known - r.prompt_len) - 1)
@@ -436,7 +443,9 @@ class Scheduler:
             self.running.append(r)
         self._adopting = []
         status, offsets = out.status.tolist(), out.offsets.tolist()
-        unopened = [item[0] for item, st in zip(steps.items, status, strict=True) if st == NOT_OPENED]
+        unopened = []
+        if NOT_OPENED in status:
+            unopened = [item[0] for item, st in zip(steps.items, status, strict=True) if st == NOT_OPENED]
         for r, m in zip(steps.opened, out.match_lens.tolist(), strict=True):
             self.waiting.popleft()  # the admissions are the front of the queue, in order
             slot = self._opened.pop(r.rid)
@@ -458,10 +467,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(requeued))
         kv_loc = out.kv_loc
         builder = BatchBuilder()
+        add = builder.add
         computing: list[tuple[Request, int, int, int]] = []
         oom = 0
         for i, (r, need, drafts) in enumerate(steps.items):
             s = status[i]
+            if s == OK and need == 1 and offsets[i + 1] - offsets[i] == 1:  # a decode (or a one-token chunk)
+                r.alloced += 1
+                start = r.computed
+                samples = 1 if start + 1 == r.known else 0
+                add(r.rid, r.slot, start, int(r.tokens[start]), None, samples)
+                computing.append((r, 1, samples, 0))
+                continue
             if s != OK:
                 if s == OUT_OF_PAGES:
                     oom += 1
@@ -480,18 +497,20 @@ class Scheduler:
             d = drafts.size
             tokens = r.tokens[start : start + got] if not d else np.concatenate([r.tokens[start : r.known], drafts])
             samples = 1 + d if start + got == r.known + d else 0
-            builder.add(r.rid, r.slot, start, tokens, kv_loc[lo:hi] if kv_loc is not None else None, samples)
+            add(r.rid, r.slot, start, tokens, None, samples)
             computing.append((r, got, samples, d))
         told = self.policy.told
         for r in [*steps.adopting, *(r for r in steps.opened if r not in unopened)]:
             self._admitted.append(Admission(r.rid, told(r) if told is not None else r.tokens[: r.known]))
-        batch = builder.build(self._admitted, self._released, kv_loc is not None)
+        # The Step's token slots are those of its allocs that got some, in item order: the batch's.
+        batch = builder.build(self._admitted, self._released, kv_loc is not None, kv_loc)
         self._admitted, self._released = [], []
         return batch, computing, oom
 
     def _back_to_waiting(self, r: Request) -> None:
         """A preempted request, released: to the front of the queue, to recompute."""
         r.preemptions += 1
+        r.rid = f"{r.name}.{r.preemptions}"
         limit = self.policy.max_preemptions
         if limit is not None and r.preemptions > limit:
             raise RuntimeError(
@@ -532,7 +551,9 @@ class Scheduler:
         request keeps its drafts while the samples confirm them, then one sample, and
         ends on a stop, a stop check or ``max_new``. Returns who took how many."""
         f = self.figures
-        sampled, offsets = output.next_tokens, batch.offsets
+        tokens = output.next_tokens.tolist()
+        stops = self._stop_set
+        fast = self.policy.stop_check is None and not self.keep_logits
         took: list[tuple[Request, int]] = []
         decodes = prefills = k = 0
         now = time.monotonic()
@@ -548,25 +569,28 @@ class Scheduler:
                 r.computed += got
                 f.prefill_tokens += got
                 continue
-            mine = sampled[k : k + samples]
-            kept = 0
-            if d:
-                end = int(offsets[j + 1])
-                wrong = np.flatnonzero(batch.token_ids[end - d : end] != mine[:d])
-                kept = int(wrong[0]) if wrong.size else d
-            known = r.known
-            first = known == r.prompt_len
-            taken = self._append(r, mine[: kept + 1], output.logits, k)
-            k += samples
-            r.computed = min(known + kept, r.known)  # the chunk, and the drafts kept, have K/V
-            if r.alloced > r.computed:
-                r.truncate_to = r.computed  # the rejected drafts' K/V goes in the next Step
-            if decode:
-                f.decode_tokens += 1 + kept
-                f.drafts_proposed += d
-                f.drafts_kept += kept
+            if samples == 1 and fast:  # one sample, no drafts: scalars, no array work
+                known = r.known
+                token = tokens[k]
+                k += 1
+                r.tokens[known] = token
+                r.known = known + 1
+                r.computed = known
+                if r.alloced > known:
+                    r.truncate_to = known
+                if token in stops:
+                    r.finish = "stop"
+                elif known + 1 - r.prompt_len >= r.max_new:
+                    r.finish = "length"
+                first = known == r.prompt_len
+                taken = 1
+                if decode:
+                    f.decode_tokens += 1
+                else:
+                    f.prefill_tokens += got
             else:
-                f.prefill_tokens += got
+                first, taken = self._sampled(r, batch, output, j, k, samples, d, decode, got)
+                k += samples
             took.append((r, taken))
             if not r.first_at:
                 r.first_at = now
@@ -582,6 +606,40 @@ class Scheduler:
                 self.giving.append(r)
         f.mixed_forwards += int(decodes > 0 and prefills > 0)
         return took
+
+    def _sampled(
+        self,
+        r: Request,
+        batch: ForwardBatch,
+        output: ForwardOutput,
+        j: int,
+        k: int,
+        samples: int,
+        d: int,
+        decode: bool,
+        got: int,
+    ) -> tuple[bool, int]:
+        """Batch entry ``j``'s samples (from ``k``) taken by ``r``, drafts and all;
+        whether they were its first, and how many it took."""
+        f = self.figures
+        mine = output.next_tokens[k : k + samples]
+        kept = 0
+        if d:
+            end = int(batch.offsets[j + 1])
+            wrong = np.flatnonzero(batch.token_ids[end - d : end] != mine[:d])
+            kept = int(wrong[0]) if wrong.size else d
+        known = r.known
+        taken = self._append(r, mine[: kept + 1], output.logits, k)
+        r.computed = min(known + kept, r.known)  # the chunk, and the drafts kept, have K/V
+        if r.alloced > r.computed:
+            r.truncate_to = r.computed  # the rejected drafts' K/V goes in the next Step
+        if decode:
+            f.decode_tokens += 1 + kept
+            f.drafts_proposed += d
+            f.drafts_kept += kept
+        else:
+            f.prefill_tokens += got
+        return known == r.prompt_len, taken
 
     def _append(self, r: Request, tokens: np.ndarray, logits: Any, first: int) -> int:
         """Append the sampled ``tokens`` ``r`` keeps, up to its end: a stop token, the

@@ -33,6 +33,9 @@ from .workload import Acceptance, SimRequest, WorkloadDigest, WorkloadSpec, draf
 __all__ = ["COUNTERS", "SimWorker", "SimulationFailure", "Verified", "progress", "scheduler"]
 
 
+_NONE = np.zeros(0, dtype=np.int32)
+
+
 class SimulationFailure(Exception):
     """A page read back wrong: the run fails, naming the request, page and position."""
 
@@ -82,7 +85,7 @@ def workload_drafts(origin: tuple[SimRequest, Acceptance], known: int, room: int
     sim, accept = origin
     k = min(sim.spec_k, room)
     if k <= 0:
-        return np.zeros(0, dtype=np.int32)
+        return _NONE
     return drafts(sim, known - 1, k, accept.draw(k))
 
 
@@ -137,7 +140,8 @@ def scheduler(
     def backoff(r: Request, it: int) -> int:
         return it + min(2**r.preemptions, 64) + (r.index + worker) % 8
 
-    policy = Policy(drafts=_drafts, told=_told, check=check, backoff=backoff)
+    speculative = spec.spec > 0 and spec.spec_k > 0  # else no request drafts: no drafter to ask
+    policy = Policy(drafts=_drafts if speculative else None, told=_told, check=check, backoff=backoff)
     sched = Scheduler(
         backend,
         model,
