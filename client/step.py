@@ -51,6 +51,7 @@ def as_ints(values: IntsLike) -> Any:
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 _INT32 = np.iinfo(np.int32)
 _INT32_LE = np.dtype("<i4")
+_INT8_LE = np.dtype("i1")
 _LITTLE_ENDIAN = sys.byteorder == "little"  # on a little-endian host, the native int32 dtype object itself
 
 
@@ -268,6 +269,20 @@ class StepResult:
         status = self._resp.alloc_status
         return status.count(0) == len(status)
 
+    def array(self, name: str) -> np.ndarray:
+        """Column ``name`` (a tensor attribute's name: ``"status"``, ``"kv_loc"``,
+        ``"kv_loc_offsets"``, ``"new_pages"``, ``"new_page_offsets"``, ``"match_lens"``,
+        ``"cache_switched"``, ``"adopt_slots"``, ``"adopt_lens"``) as a read-only numpy
+        view of the response's bytes: no copy and no tensor made. For a caller that only
+        reads a column with numpy: about a sixth of the tensor's cost plus its
+        ``.numpy()`` on a client whose caches are cold between steps (measured 6 against
+        36 µs for four columns of a 37-item decode). A ValueError names an unknown column."""
+        column = _COLUMNS.get(name)
+        if column is None:
+            raise ValueError(f"StepResult has no column {name!r}: one of {', '.join(sorted(_COLUMNS))}")
+        field, dtype = column
+        return np.frombuffer(getattr(self._resp, field), dtype=dtype)
+
     def kv_loc_of(self, i: int) -> torch.Tensor:
         """The token slots of alloc item ``i`` (a view; empty if it failed)."""
         return self.kv_loc[int(self.kv_loc_offsets[i]) : int(self.kv_loc_offsets[i + 1])]
@@ -282,3 +297,11 @@ class StepResult:
             f"{'...' if self.kv_loc.numel() > 32 else ''}, new_pages={self.new_pages.tolist()[:32]}, "
             f"num_free_pages={self.num_free_pages})"
         )
+
+
+# A column's response field and numpy dtype, by its attribute's name (StepResult.array).
+_COLUMNS: dict[str, tuple[str, np.dtype[Any]]] = {
+    name: (view.field, _INT8_LE if view.dtype is torch.int8 else _INT32_LE)
+    for name, view in vars(StepResult).items()
+    if isinstance(view, _BytesView)
+}

@@ -108,7 +108,8 @@ class KVMemBackend:
             handoff_states=plan.handoff_states or None,
             adopt=plan.adopt or None,
         )
-        out = Outcome(r.status.numpy(), r.kv_loc.numpy(), r.kv_loc_offsets.numpy(), r.match_lens.numpy())
+        col = r.array  # numpy views of the answer's bytes: no tensors made
+        out = Outcome(col("status"), col("kv_loc"), col("kv_loc_offsets"), col("match_lens"))
         if len(plan.handoff_slots):
             out.tickets = r.tickets
         return out

@@ -99,7 +99,7 @@ class BatchBuilder:
     the token slots given whole (the Step's, when every request's are its, in order) or
     gathered per request."""
 
-    __slots__ = ("_arrays", "_counts", "_ids", "_kv_loc", "_num_samples", "_rows", "_starts", "_tokens")
+    __slots__ = ("_arrays", "_counts", "_ids", "_kv_loc", "_num_samples", "_rows", "_starts", "_tokens", "_unsampled")
 
     def __init__(self) -> None:
         self._ids: list[str] = []
@@ -110,6 +110,7 @@ class BatchBuilder:
         self._kv_loc: list[np.ndarray] = []
         self._num_samples: list[int] = []
         self._arrays = 0  # entries whose tokens are an array
+        self._unsampled = 0  # entries not sampled exactly once
 
     def add(
         self,
@@ -135,6 +136,17 @@ class BatchBuilder:
         if kv_loc is not None:
             self._kv_loc.append(kv_loc)
         self._num_samples.append(samples)
+        self._unsampled += samples != 1
+
+    def add_decodes(self, request_ids: list[str], rows: list[int], starts: list[int], tokens: list[int]) -> None:
+        """As :meth:`add` once per request, each computing one token (``tokens[i]`` at
+        position ``starts[i]``) and sampling after it, token slots given whole."""
+        self._ids += request_ids
+        self._rows += rows
+        self._starts += starts
+        self._counts += [1] * len(request_ids)
+        self._tokens += tokens
+        self._num_samples += [1] * len(request_ids)
 
     def build(
         self, admitted: list[Admission], released: list[str], has_kv: bool, kv_loc: np.ndarray | None = None
@@ -142,15 +154,20 @@ class BatchBuilder:
         """The batch; ``kv_loc``: every token's slot, in the order added (else those
         given to :meth:`add` are concatenated)."""
         n = len(self._ids)
-        counts = np.array(self._counts, dtype=np.int64)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
         starts = np.array(self._starts, dtype=np.int64)
-        total = int(offsets[-1])
-        positions = np.repeat(starts - offsets[:-1], counts) + np.arange(total, dtype=np.int64)
-        if not self._arrays:  # one token id each (decodes): a single conversion
+        if not self._arrays:  # one token each (decodes): its position its start, one conversion
+            offsets = np.arange(n + 1, dtype=np.int64)
+            seq_lens = starts + 1
+            total = n
+            positions = starts
             token_ids = np.array(self._tokens, dtype=np.int32)
         else:
+            counts = np.array(self._counts, dtype=np.int64)
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            total = int(offsets[-1])
+            positions = np.repeat(starts - offsets[:-1], counts) + np.arange(total, dtype=np.int64)
+            seq_lens = starts + counts
             token_ids = np.empty(total, dtype=np.int32)
             for tokens, at, count in zip(self._tokens, offsets.tolist(), self._counts, strict=False):
                 token_ids[at : at + count] = tokens
@@ -161,8 +178,11 @@ class BatchBuilder:
             loc = kv_loc.astype(np.int64, copy=False)
             if loc.size != total:
                 raise ValueError(f"{loc.size} token slots for {total} tokens: every token computed needs its kv_loc")
-        sample_offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(self._num_samples, out=sample_offsets[1:])
+        if self._unsampled:
+            sample_offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(self._num_samples, out=sample_offsets[1:])
+        else:  # each sampled once
+            sample_offsets = np.arange(n + 1, dtype=np.int64)
         return ForwardBatch(
             self._ids,
             np.array(self._rows, dtype=np.int64),
@@ -170,7 +190,7 @@ class BatchBuilder:
             token_ids,
             positions,
             loc,
-            starts + counts,
+            seq_lens,
             sample_offsets,
             admitted,
             released,

@@ -53,6 +53,7 @@ from .request import Request, pack, unpack
 __all__ = ["Figures", "Policy", "Scheduler"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_EMPTY.flags.writeable = False  # shared: a plan's empty column, a decode's no drafts
 
 
 @dataclasses.dataclass(slots=True)
@@ -117,6 +118,7 @@ class _Steps:
         "alloc_needs",
         "alloc_slots",
         "cached",
+        "decodes",
         "giving",
         "items",
         "leaving",
@@ -132,6 +134,7 @@ class _Steps:
         self.alloc_needs: list[int] = []
         self.alloc_expected: list[int] = []
         self.items: list[tuple[Request, int, np.ndarray]] = []  # per alloc: (request, need, drafts)
+        self.decodes: list[Request] = []  # the first items: one-token decodes, no drafts
         self.leaving: list[Request] = []
         self.released: list[str] = []
         self.truncated: list[Request] = []
@@ -149,14 +152,19 @@ class _Steps:
     def seal(self) -> Plan:
         """The plan with its columns as int32 arrays: the client sends them as bytes."""
         p = self.plan
-        p.alloc_slots = np.array(self.alloc_slots, dtype=np.int32)
-        p.alloc_needs = np.array(self.alloc_needs, dtype=np.int32)
-        p.alloc_expected = np.array(self.alloc_expected, dtype=np.int32)
-        p.release_slots = np.array(p.release_slots, dtype=np.int32)
-        p.truncate_slots = np.array(p.truncate_slots, dtype=np.int32)
-        p.truncate_lens = np.array(p.truncate_lens, dtype=np.int32)
-        p.handoff_slots = np.array(p.handoff_slots, dtype=np.int32)
+        p.alloc_slots = _int32(self.alloc_slots)
+        p.alloc_needs = _int32(self.alloc_needs)
+        p.alloc_expected = _int32(self.alloc_expected)
+        p.release_slots = _int32(p.release_slots)
+        p.truncate_slots = _int32(p.truncate_slots)
+        p.truncate_lens = _int32(p.truncate_lens)
+        p.handoff_slots = _int32(p.handoff_slots)
         return p
+
+
+def _int32(column: list[int]) -> np.ndarray:
+    """A plan column as the int32 array the client sends as bytes (an empty one shared)."""
+    return np.array(column, dtype=np.int32) if column else _EMPTY
 
 
 class Scheduler:
@@ -313,28 +321,38 @@ class Scheduler:
             plan.handoff_slots.append(r.slot)
             plan.handoff_states.append(pack(r, computed=computed, moves=r.moves + 1))
         steps.giving = self.giving
+        decoding = []
+        ps = self.ps
         for r in self.running:
+            computed = r.computed
+            if r.known - computed == 1:
+                decoding.append(r)
             if r.truncate_to >= 0:  # rejected drafts: their K/V goes
                 plan.truncate_slots.append(r.slot)
                 plan.truncate_lens.append(r.truncate_to)
                 steps.truncated.append(r)
-            if r.computed <= r.prompt_len and r.computed // self.ps > r.cached_pages:  # new full pages
-                plan.cache.append((r.slot, r.tokens[: r.computed]))
+            if computed <= r.prompt_len and computed // ps > r.cached_pages:  # new full pages
+                plan.cache.append((r.slot, r.tokens[:computed]))
                 steps.cached.append(r)
-        budget = self._allocs(steps, self.running, self.budget)
+        budget = self._allocs(steps, self.running, self.budget, decoding)
         if self.moves is not None:
             budget = self._adoptions(steps, budget)
         if not self._pressure and self.it >= self._slots_back_at:
             self._admissions(steps, budget)
         return steps
 
-    def _allocs(self, steps: _Steps, requests: list[Request], budget: int) -> int:
+    def _allocs(
+        self, steps: _Steps, requests: list[Request], budget: int, decoding: list[Request] | None = None
+    ) -> int:
         """Decodes (with their drafts), then prefill chunks, within ``budget``; the
-        budget left."""
+        budget left. ``decoding``: those of ``requests`` decoding, when known."""
         drafter = self.policy.drafts
-        decoding = [r for r in requests if r.known - r.computed == 1]
+        if decoding is None:
+            decoding = [r for r in requests if r.known - r.computed == 1]
         budget -= len(decoding)
         if drafter is None:  # one token each: the columns in one pass each
+            if not steps.items:  # the Step's first items: applied in bulk
+                steps.decodes = decoding
             steps.alloc_slots += [r.slot for r in decoding]
             steps.alloc_needs += [1] * len(decoding)
             steps.alloc_expected += [r.truncate_to if r.truncate_to >= 0 else r.alloced for r in decoding]
@@ -470,13 +488,15 @@ class Scheduler:
         add = builder.add
         computing: list[tuple[Request, int, int, int]] = []
         oom = 0
-        for i, (r, need, drafts) in enumerate(steps.items):
+        first = self._decodes(steps.decodes, out, builder, computing)
+        for i in range(first, len(steps.items)):
+            r, need, drafts = steps.items[i]
             s = status[i]
             if s == OK and need == 1 and offsets[i + 1] - offsets[i] == 1:  # a decode (or a one-token chunk)
                 r.alloced += 1
                 start = r.computed
                 samples = 1 if start + 1 == r.known else 0
-                add(r.rid, r.slot, start, int(r.tokens[start]), None, samples)
+                add(r.rid, r.slot, start, r.tokens.item(start), None, samples)
                 computing.append((r, 1, samples, 0))
                 continue
             if s != OK:
@@ -506,6 +526,28 @@ class Scheduler:
         batch = builder.build(self._admitted, self._released, kv_loc is not None, kv_loc)
         self._admitted, self._released = [], []
         return batch, computing, oom
+
+    @staticmethod
+    def _decodes(
+        decodes: list[Request], out: Outcome, builder: BatchBuilder, computing: list[tuple[Request, int, int, int]]
+    ) -> int:
+        """The Step's leading decodes, when each got its one token slot: into the batch
+        in one pass (each samples its next token). Returns how many items that applied
+        (0 when one of them did not get its slot: the item loop applies them all)."""
+        n = len(decodes)
+        if not n or out.status[:n].any() or out.offsets[n] != n:  # offsets[n] == n: one slot each
+            return 0
+        ids, rows, starts, tokens = [], [], [], []
+        for r in decodes:
+            r.alloced += 1
+            start = r.computed
+            ids.append(r.rid)
+            rows.append(r.slot)
+            starts.append(start)
+            tokens.append(r.tokens.item(start))
+            computing.append((r, 1, 1, 0))
+        builder.add_decodes(ids, rows, starts, tokens)
+        return n
 
     def _back_to_waiting(self, r: Request) -> None:
         """A preempted request, released: to the front of the queue, to recompute."""

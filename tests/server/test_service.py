@@ -140,6 +140,13 @@ def test_sync_client_attach_open_step_stats(server: ServerProcess) -> None:
         assert res.new_page_offsets.tolist() == [0, 2, 3]
         assert res.new_pages_of(0).tolist() == [1, 2] and res.new_pages_of(1).tolist() == [3]
         assert (res.num_free_pages, res.num_pages_released) == (TOTAL - 3, 0)
+        # The same columns as numpy views of the answer's bytes (read-only), or a clear refusal.
+        for name in ("status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "match_lens"):
+            view = res.array(name)
+            assert view.dtype == getattr(res, name).numpy().dtype and not view.flags.writeable, name
+            assert view.tolist() == getattr(res, name).tolist(), name
+        with pytest.raises(ValueError, match=r"no column 'slots': one of adopt_lens, adopt_slots, cache_switched"):
+            res.array("slots")
 
         res = kv.alloc([1], [2], expected_lens=[5])  # fills page 2's tail: tokens 5, 6
         # row 1: [1, 2]  len 7
