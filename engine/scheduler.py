@@ -54,6 +54,11 @@ __all__ = ["Figures", "Policy", "Scheduler"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _EMPTY.flags.writeable = False  # shared: a plan's empty column, a decode's no drafts
+# Per request in a forward pass: (request, tokens, samples, drafts, decode). A decode
+# computes a sampled token of a request already running (one, or one and its drafts);
+# the rest is prefill: prompt tokens (the last one too, alone in its chunk), and what an
+# admission computes in its first Step (a resumed request's sampled tokens too).
+_Computing = tuple["Request", int, int, int, bool]
 
 
 @dataclasses.dataclass(slots=True)
@@ -436,7 +441,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ apply
 
-    def _apply(self, steps: _Steps, out: Outcome) -> tuple[ForwardBatch, list[tuple[Request, int, int, int]], int]:
+    def _apply(self, steps: _Steps, out: Outcome) -> tuple[ForwardBatch, list[_Computing], int]:
         """The Step went through: the requests as its answer leaves them, and the forward
         pass it asks for. Returns the batch, per request in it ``(request, tokens,
         samples, drafts)``, and the allocs out of pages."""
@@ -486,9 +491,10 @@ class Scheduler:
         kv_loc = out.kv_loc
         builder = BatchBuilder()
         add = builder.add
-        computing: list[tuple[Request, int, int, int]] = []
+        computing: list[_Computing] = []
         oom = 0
         first = self._decodes(steps.decodes, out, builder, computing)
+        admitted = {id(r) for r in steps.opened}
         for i in range(first, len(steps.items)):
             r, need, drafts = steps.items[i]
             s = status[i]
@@ -497,7 +503,7 @@ class Scheduler:
                 start = r.computed
                 samples = 1 if start + 1 == r.known else 0
                 add(r.rid, r.slot, start, r.tokens.item(start), None, samples)
-                computing.append((r, 1, samples, 0))
+                computing.append((r, 1, samples, 0, samples == 1 and start >= r.prompt_len and id(r) not in admitted))
                 continue
             if s != OK:
                 if s == OUT_OF_PAGES:
@@ -518,7 +524,8 @@ class Scheduler:
             tokens = r.tokens[start : start + got] if not d else np.concatenate([r.tokens[start : r.known], drafts])
             samples = 1 + d if start + got == r.known + d else 0
             add(r.rid, r.slot, start, tokens, None, samples)
-            computing.append((r, got, samples, d))
+            decode = r.known - start == 1 and start >= r.prompt_len and id(r) not in admitted
+            computing.append((r, got, samples, d, decode))
         told = self.policy.told
         for r in [*steps.adopting, *(r for r in steps.opened if r not in unopened)]:
             self._admitted.append(Admission(r.rid, told(r) if told is not None else r.tokens[: r.known]))
@@ -528,9 +535,7 @@ class Scheduler:
         return batch, computing, oom
 
     @staticmethod
-    def _decodes(
-        decodes: list[Request], out: Outcome, builder: BatchBuilder, computing: list[tuple[Request, int, int, int]]
-    ) -> int:
+    def _decodes(decodes: list[Request], out: Outcome, builder: BatchBuilder, computing: list[_Computing]) -> int:
         """The Step's leading decodes, when each got its one token slot: into the batch
         in one pass (each samples its next token). Returns how many items that applied
         (0 when one of them did not get its slot: the item loop applies them all)."""
@@ -545,7 +550,7 @@ class Scheduler:
             rows.append(r.slot)
             starts.append(start)
             tokens.append(r.tokens.item(start))
-            computing.append((r, 1, 1, 0))
+            computing.append((r, 1, 1, 0, start >= r.prompt_len))
         builder.add_decodes(ids, rows, starts, tokens)
         return n
 
@@ -587,7 +592,7 @@ class Scheduler:
         return output
 
     def _take(
-        self, batch: ForwardBatch, output: ForwardOutput, computing: list[tuple[Request, int, int, int]]
+        self, batch: ForwardBatch, output: ForwardOutput, computing: list[_Computing]
     ) -> list[tuple[Request, int]]:
         """The requests after the forward pass: prefill chunks computed; each sampled
         request keeps its drafts while the samples confirm them, then one sample, and
@@ -600,11 +605,10 @@ class Scheduler:
         decodes = prefills = k = 0
         now = time.monotonic()
         give = self.moves is not None and self.moves.give_after_first
-        for j, (r, got, samples, d) in enumerate(computing):
+        for j, (r, got, samples, d, decode) in enumerate(computing):
             r.computed_total += got
             r.computed_here += got
             r.iterations += 1
-            decode = r.known - r.computed == 1
             decodes += decode
             prefills += not decode
             if not samples:

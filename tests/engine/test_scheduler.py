@@ -217,6 +217,27 @@ def test_every_engine_step_reaches_the_server_in_the_int32_fields(
     assert all(filled.values()), filled  # every column carried items, as int32 bytes
 
 
+def test_prompt_tokens_count_as_prefill_and_sampled_ones_as_decodes(pool: ServerProcess, llama: Any) -> None:
+    """The figures split what was computed as a user reads it: every prompt token
+    computed is prefill, even the last one alone in its chunk (a 17-token prompt in a
+    16-token budget) or alone after a match (the same prompt again: 16 tokens matched),
+    and every sampled token fed back is a decode. Completions equal ``generate()``'s."""
+    prompt = np.tile(MOTIF, 3)[:17]
+    product = Product("transformers", llama)
+    with KVMemClient(pool.target, name="counts", cache_namespace="counts") as kv:
+        model, _ = product.model(kv)
+        sched = Scheduler(KVMemBackend(kv), model, budget=BUDGET, max_running=8)
+        sched.add([Request(0, prompt, NEW_TOKENS)])
+        run(sched)
+        sched.add([Request(1, prompt, NEW_TOKENS)])
+        run(sched)
+    f = sched.figures
+    want = np.concatenate([prompt, greedy(llama, prompt, NEW_TOKENS)])
+    assert [r.tokens[: r.known].tolist() for r in sched.finished] == [want.tolist()] * 2
+    assert f.prefix_hit_tokens == 16, f
+    assert (f.prefill_tokens, f.decode_tokens) == (17 + 1, 2 * (NEW_TOKENS - 1)), f
+
+
 def snapshot(sched: Scheduler) -> dict[str, Any]:
     """Every request's fields, and where it is."""
     requests = [*sched.waiting, *sched.running, *sched.leaving, *sched.giving]
