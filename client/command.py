@@ -222,6 +222,7 @@ def _table(s: Any) -> str:
         f"handed off {s.num_handed_off}, adopted {s.num_adopted}, expired {s.num_handoffs_expired}, released with "
         f"their giver {s.num_handoffs_given_up}",
         _prefix_line(s),
+        *_host_line(s),
         _origin_line(s.origin),
     ]
     if s.audit.ran:
@@ -260,6 +261,19 @@ def _origin_line(o: Any) -> str:
     if o.kind == "new":
         return "state kept for the next run (--keep-state): new in this run"
     return "state not kept (a restart starts empty; kvmem serve --keep-state keeps it)"
+
+
+def _host_line(s: Any) -> list[str]:
+    """The host-memory tier in one line (none without one)."""
+    if not s.HasField("host_tier"):
+        return []
+    h = s.host_tier
+    moved = (h.num_demoted + h.num_loaded) * h.page_bytes
+    return [
+        f"host tier {h.num_pages} pages   cached {h.num_cached_pages}   free {h.num_free_pages}   since start: "
+        f"demoted {h.num_demoted}, loaded {h.num_loaded} ({h.hit_tokens} tokens matched from it), evicted "
+        f"{h.num_evicted}, dropped {h.num_dropped}; {moved / 2**20:.1f} MiB moved"
+    ]
 
 
 def _prefix_line(s: Any) -> str:

@@ -52,6 +52,23 @@ class OwnerUsage:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class HostTierStats:
+    """The host-memory tier (``kvmem serve --host-memory``): its pages (each ``page_bytes``
+    per rank), and since start the pages moved each way, evicted and dropped, and the
+    tokens matches took from it."""
+
+    num_pages: int
+    num_free_pages: int
+    num_cached_pages: int
+    page_bytes: int
+    num_demoted: int = 0  # device pages copied to the host as the device evicted them
+    num_loaded: int = 0  # host pages copied back into device pages for a match
+    num_evicted: int = 0  # host pages evicted to make room (least recently used)
+    num_dropped: int = 0  # evicted device pages the host could not take (more than it holds at once)
+    hit_tokens: int = 0  # tokens matches loaded from the host
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PoolStats:
     num_pages_total: int  # usable pages: num_pages - 1
     num_free_pages: int
@@ -67,6 +84,7 @@ class PoolStats:
     prefix_hit_tokens: int = 0  # tokens they matched
     num_handoff_tickets: int = 0  # open hand-off tickets
     num_handoff_pages: int = 0  # page references their requests hold (counted in num_used_pages)
+    host: HostTierStats | None = None  # None: no host tier
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -17,20 +17,24 @@ import numpy as np
 class PagesStored:
     """Consecutive pages of one chain entered the cache: ``keys`` in chain order,
     ``parent_key`` the first one's parent (None: a chain's first page), ``token_ids``
-    int32, ``page_size`` per key."""
+    int32, ``page_size`` per key; ``medium`` the tier that holds them now ("GPU": the
+    device pool, cached or loaded back; "CPU": the host tier, demoted)."""
 
     keys: list[bytes]
     parent_key: bytes | None
     token_ids: np.ndarray
     page_size: int
     namespace: str
+    medium: str = "GPU"
 
 
 @dataclasses.dataclass(slots=True)
 class PagesRemoved:
-    """Pages left the cache (evicted, or rewritten by their only holder)."""
+    """Pages left a tier (evicted, or rewritten by their only holder): ``medium`` "GPU"
+    the device pool (the host tier may still hold them), "CPU" the host tier."""
 
     keys: list[bytes]
+    medium: str = "GPU"
 
 
 @dataclasses.dataclass(slots=True)

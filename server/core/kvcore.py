@@ -12,7 +12,7 @@ from kvmem.server.core import step as steps
 from kvmem.server.core.alloc import NO_ALLOCS, Allocator
 from kvmem.server.core.audit import audit
 from kvmem.server.core.batch import NO_INT32, StepBatch, StepOutcome
-from kvmem.server.core.config import AuditReport, CoreConfig, OwnerId, OwnerUsage, PoolStats
+from kvmem.server.core.config import AuditReport, CoreConfig, HostTierStats, OwnerId, OwnerUsage, PoolStats
 from kvmem.server.core.events import AllCleared, CacheEvent
 from kvmem.server.core.handoff import Tickets
 from kvmem.server.core.hashing import PageKeys, XXH3Keys
@@ -21,6 +21,7 @@ from kvmem.server.core.pool import PagePool
 from kvmem.server.core.prefix import PrefixCache
 from kvmem.server.core.slots import Owner, RequestTable
 from kvmem.server.core.table import BlockTable
+from kvmem.server.core.tier import HostTier
 from kvmem.server.core.undo import UndoLog
 from kvmem.server.errors import CorruptionError, KVMemError, Reason
 
@@ -67,7 +68,12 @@ class KVCore:
         page_keys: PageKeys | None = None,
         event_sink: Callable[[list[CacheEvent]], None] | None = None,
         image: CoreImage | None = None,
+        host_tier: HostTier | None = None,
+        page_bytes: int = 0,
     ) -> None:
+        if host_tier is not None and (image is not None or not prefix_cache):
+            why = "a kept state image (--keep-state)" if image is not None else "the prefix cache off"
+            raise ValueError(f"a host tier cannot be used with {why}")
         self.config = config
         self.image = image
         # A numbered Step's changes, before it makes them, so that a crash undoes it (see .undo).
@@ -77,6 +83,8 @@ class KVCore:
             config.num_pages, config.page_size, page_keys or XXH3Keys(), enabled=prefix_cache, image=image
         )
         self.cache.undo = self.undo
+        self.cache.tier = self.host_tier = host_tier
+        self._page_bytes = page_bytes  # bytes of one page over all ranks (the host tier's stats)
         if prefix_cache:
             self.pool.cache = self.cache
         self.event_sink = event_sink
@@ -374,6 +382,23 @@ class KVCore:
             num_evictions=cache.num_evictions,
             prefix_query_tokens=cache.query_tokens,
             prefix_hit_tokens=cache.hit_tokens,
+            host=self._host_stats(),
+        )
+
+    def _host_stats(self) -> HostTierStats | None:
+        tier = self.host_tier
+        if tier is None:
+            return None
+        return HostTierStats(
+            num_pages=tier.num_pages,
+            num_free_pages=tier.num_free,
+            num_cached_pages=tier.num_cached,
+            page_bytes=self._page_bytes,
+            num_demoted=tier.num_demoted,
+            num_loaded=tier.num_loaded,
+            num_evicted=tier.num_evicted,
+            num_dropped=tier.num_dropped,
+            hit_tokens=tier.hit_tokens,
         )
 
     def snapshot_events(self) -> list[CacheEvent]:
@@ -385,6 +410,8 @@ class KVCore:
         """Check every invariant (O(pool): see :func:`kvmem.server.core.audit.audit`)."""
         report = audit(self.config, self.pool, self.table, self.slots, self._quarantine, self.cache)
         problems = self.tickets.problems()
+        if self.host_tier is not None:
+            problems += self.host_tier.audit(self.cache.index, set(self.cache.roots.values()))
         return dataclasses.replace(report, ok=False, problems=report.problems + tuple(problems)) if problems else report
 
     def _finish(self) -> None:

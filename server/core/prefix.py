@@ -31,6 +31,7 @@ import numpy as np
 from kvmem.server.core.events import CacheEvent, PagesRemoved, PagesStored
 from kvmem.server.core.hashing import PageKeys
 from kvmem.server.core.image import CoreImage
+from kvmem.server.core.tier import HostTier
 from kvmem.server.core.undo import UndoLog
 
 
@@ -76,6 +77,7 @@ class PrefixCache:
         self.query_tokens = 0  # tokens match items asked for, since start
         self.hit_tokens = 0  # tokens they matched
         self.events: list[CacheEvent] = []
+        self.tier: HostTier | None = None  # the host tier evicted pages go to (set by the core)
 
     def root(self, namespace: str) -> bytes:
         """The chain root of ``namespace`` (computed once per namespace)."""
@@ -91,19 +93,27 @@ class PrefixCache:
     # ------------------------------------------------------------ insert
 
     def insert(
-        self, pages: list[int], keys: list[bytes], tokens: np.ndarray, namespace: str, parent: bytes
+        self,
+        pages: list[int],
+        keys: list[bytes],
+        tokens: np.ndarray,
+        namespace: str,
+        parent: bytes,
+        first_col: int = 0,
     ) -> list[int]:
-        """Cache the chain ``pages`` (held by a request, column 0 on) under ``keys``
-        (computed from ``tokens``, ``page_size`` each, in ``namespace`` from the root
-        ``parent``). A key the cache already has on another page is not inserted: the
-        result lists, per page, the cached page of its key (its own when inserted or
-        already cached). One :class:`PagesStored` per run of new pages. O(pages)."""
+        """Cache the chain ``pages`` (held by a request, column ``first_col`` on) under
+        ``keys`` (computed from ``tokens``, ``page_size`` each, in ``namespace`` from
+        ``parent``: the root for column 0, else the key of the page before). A key the
+        cache already has on another page is not inserted: the result lists, per page,
+        the cached page of its key (its own when inserted or already cached). One
+        :class:`PagesStored` per run of new pages. O(pages)."""
         index, get = self.index, self.index.get
         ps = self.page_size
         out: list[int] = []
         new: list[int] = []  # the columns inserted
         run_start = -1
         prev = parent
+        chain_parent = None if first_col == 0 else parent  # the events' parent of the first page
         for col, (page, key) in enumerate(zip(pages, keys, strict=True)):
             have = get(key)
             if have is None:
@@ -112,19 +122,19 @@ class PrefixCache:
                 self.parent[page] = prev
                 self.tokens[page] = tokens[col * ps : (col + 1) * ps].copy()
                 self.namespace[page] = namespace
-                self.depth[page] = col
+                self.depth[page] = first_col + col
                 new.append(col)
                 if run_start < 0:
                     run_start = col
                 out.append(page)
             else:
                 if run_start >= 0:
-                    self._stored(keys, tokens, namespace, run_start, col)
+                    self._stored(keys, tokens, namespace, run_start, col, chain_parent)
                     run_start = -1
                 out.append(have)
             prev = key
         if run_start >= 0:
-            self._stored(keys, tokens, namespace, run_start, len(keys))
+            self._stored(keys, tokens, namespace, run_start, len(keys), chain_parent)
         if new:
             cols = np.array(new, dtype=np.intp)
             where = np.array(pages, dtype=np.intp)[cols]
@@ -161,9 +171,11 @@ class PrefixCache:
             self.undo.inserted(where.astype(np.int32))
         image.page_cached[where] = True  # the flags last
 
-    def _stored(self, keys: list[bytes], tokens: np.ndarray, namespace: str, start: int, end: int) -> None:
+    def _stored(
+        self, keys: list[bytes], tokens: np.ndarray, namespace: str, start: int, end: int, first_parent: bytes | None
+    ) -> None:
         ps = self.page_size
-        parent = keys[start - 1] if start else None
+        parent = keys[start - 1] if start else first_parent
         self.num_inserted += end - start
         self.events.append(PagesStored(keys[start:end], parent, tokens[start * ps : end * ps].copy(), ps, namespace))
 
@@ -210,6 +222,16 @@ class PrefixCache:
         self.num_evictable -= n
         self.num_evictions += n
         keys = self.key.take(pages).tolist()
+        if self.tier is not None:  # write-back: their K/V to the host before the pages are reused
+            self.tier.demote(
+                pages,
+                keys,
+                self.parent.take(pages).tolist(),
+                self.namespace.take(pages).tolist(),
+                self.tokens.take(pages).tolist(),
+                self.depth.take(pages),
+            )
+            self.events += self.tier.take_events()  # the host's before the device's removal
         deque(map(self.index.__delitem__, keys), maxlen=0)
         self.cached.put(pages, False)  # put: a third of a fancy assignment's fixed cost
         if self._image is not None:  # before an alloc hands the pages out

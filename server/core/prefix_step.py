@@ -13,6 +13,7 @@ the cache's size.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from kvmem.server.core.batch import NO_EXPECTATION, NO_INT32, StepBatch, TokenLi
 from kvmem.server.core.prefix import PrefixCache
 from kvmem.server.core.slots import Owner, RequestTable
 from kvmem.server.core.table import BlockTable
+from kvmem.server.core.tier import HostTier
 from kvmem.server.errors import KVMemError, Reason
 
 
@@ -249,7 +251,8 @@ def match(
     queried = int(limits.sum())
     requests.count_queries(state, queried)
     cache.query_tokens += queried
-    if not cache.enabled or not cache.num_entries:
+    tier = cache.tier
+    if not cache.enabled or not (cache.num_entries or (tier is not None and tier.num_cached)):
         return lens
     ps, ns, get = requests.table.page_size, state.namespace, cache.index.get
     root = cache.root(ns)
@@ -257,27 +260,112 @@ def match(
     quota_left = None if quota is None else quota - state.num_pages_held
     hit_slots: list[int] = []
     runs: list[list[int]] = []
+    loads: list[_Load] = []  # the runs that continue on the host tier
     for i, (slot, limit) in enumerate(zip(ms.tolist(), limits.tolist(), strict=True)):
         k = min(limit // ps, most)
         if quota_left is not None:
             k = min(k, max(quota_left, 0))
         run: list[int] = []
-        for key in cache.page_keys.keys(ns, root, tokens.item(i), k, ps):
+        keys = cache.page_keys.keys(ns, root, tokens.item(i), k, ps)
+        missed: bytes | None = None
+        last = root  # the key of the run's last page
+        for key in keys:
             page = get(key)
             if page is None:
+                missed = key
                 break
             run.append(page)
+            last = key
         m = len(run)
         if m:
             hit_slots.append(slot)
             runs.append(run)
             lens[i] = m * ps
-            if quota_left is not None:
-                quota_left -= m
+        if missed is not None and tier is not None and missed in tier.index:
+            more = [missed, *_more(keys, tier.index)]
+            loads.append(_Load(i, slot, m, tier.run(more), more, last))
+            m += len(more)
+        if quota_left is not None:
+            quota_left -= m
     if runs:
         requests.attach(state, hit_slots, runs)
         cache.hit_tokens += int(lens.sum())
+    if loads:
+        assert tier is not None
+        _load(cache, tier, requests, state, loads, tokens, lens)
     return lens
+
+
+@dataclasses.dataclass(slots=True)
+class _Load:
+    """A match item whose run continues on the host tier: its ``host`` pages (under
+    ``keys``) go into device pages from column ``col`` of ``slot``'s row."""
+
+    item: int
+    slot: int
+    col: int
+    host: list[int]
+    keys: list[bytes]
+    parent: bytes  # the key before the first one: the root, or the run's last device page's
+
+
+def _more(keys: Iterator[bytes], index: dict[bytes, int]) -> list[bytes]:
+    """The keys that follow while the host tier has them (the first one it lacks is
+    the end: nothing past it can be matched)."""
+    out: list[bytes] = []
+    for key in keys:
+        if key not in index:
+            break
+        out.append(key)
+    return out
+
+
+def _load(
+    cache: PrefixCache,
+    tier: HostTier,
+    requests: RequestTable,
+    state: Owner,
+    loads: list[_Load],
+    tokens: TokenLists,
+    lens: np.ndarray,
+) -> None:
+    """The host-tier part of the matches (their device runs attached already), in item
+    order: a load's first pages that an earlier load of this call put on the device are
+    shared; the others get device pages, as many as the pool gives (a load that does
+    not fit is shortened: a match never fails for want of pages), their bytes copied in,
+    the pages cached on the device and written into the row after the run. The host
+    pages are pinned until then: the evictions that taking device pages makes demote
+    pages, and the host may evict to hold them, never a page being loaded. O(pages
+    loaded) plus the copies."""
+    pool, ps, index = requests.pool, cache.page_size, cache.index
+    for load in loads:
+        tier.pin(load.host)
+    for load in loads:
+        shared: list[int] = []
+        for key in load.keys:
+            page = index.get(key)
+            if page is None:
+                break
+            shared.append(page)
+        s = len(shared)
+        c = min(len(load.host) - s, pool.num_available)
+        tier.unpin(load.host[:s] + load.host[s + c :])
+        col = load.col
+        if s:
+            got = np.array(shared, dtype=np.int32)
+            pool.share(got)
+            requests.attach_loaded(state, load.slot, col, got)
+            col += s
+        if c:
+            device = pool.take(c)
+            tier.load(load.host[s : s + c], device)
+            ids = tokens.item(load.item)[col * ps :]
+            parent = load.keys[s - 1] if s else load.parent
+            kept = cache.insert(device.tolist(), load.keys[s : s + c], ids, state.namespace, parent, col)
+            assert kept == device.tolist(), "a loaded page's key was cached on the device already"
+            requests.attach_loaded(state, load.slot, col, device)
+        lens[load.item] += (s + c) * ps
+        cache.hit_tokens += (s + c) * ps
 
 
 def remainders(requests: RequestTable, batch: StepBatch, lens: np.ndarray) -> np.ndarray:

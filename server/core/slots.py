@@ -288,6 +288,16 @@ class RequestTable:
             state.num_pages_held += len(attached)
             state.prefix_hit_tokens += len(attached) * ps
 
+    def attach_loaded(self, state: Owner, slot: int, col: int, pages: np.ndarray) -> None:
+        """A match's pages loaded from the host tier: ``pages`` (just taken, one
+        reference each: the row's) go into ``slot``'s row from column ``col`` (after the
+        run :meth:`attach` wrote), and the length covers them. O(P)."""
+        n = int(pages.size)
+        self.table.array[slot, col : col + n] = pages
+        self.alloced[slot] = (col + n) * self.table.page_size
+        state.num_pages_held += n
+        state.prefix_hit_tokens += n * self.table.page_size
+
     def move(self, src: Owner, dst: Owner, slots: np.ndarray, ids: list[str], *, rename: bool) -> int:
         """Hand-offs and adoptions (:mod:`.handoff`): slots ``slots`` (open, ``src``'s,
         distinct) become ``dst``'s under request ids ``ids``, with their rows, lengths

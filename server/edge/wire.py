@@ -22,6 +22,7 @@ from grpc_status import rpc_status
 
 from kvmem.server.core import CoreConfig, StepBatch, StepOutcome
 from kvmem.server.core.batch import TokenLists
+from kvmem.server.core.config import HostTierStats
 from kvmem.server.errors import ErrorKind, KVMemError, Reason
 from kvmem.server.memory import HandleInfo, KVGeometry
 from kvmem.server.sessions import ServerStats
@@ -346,6 +347,23 @@ def stats_response(
         num_adopted=stats.handoffs[1],
         num_handoffs_expired=stats.handoffs[2],
         num_handoffs_given_up=stats.handoffs[3],
+        host_tier=_host_tier(pool.host),
+    )
+
+
+def _host_tier(host: HostTierStats | None) -> kvmem_pb2.HostTierStats | None:
+    if host is None:
+        return None
+    return kvmem_pb2.HostTierStats(
+        num_pages=host.num_pages,
+        num_free_pages=host.num_free_pages,
+        num_cached_pages=host.num_cached_pages,
+        page_bytes=host.page_bytes,
+        num_demoted=host.num_demoted,
+        num_loaded=host.num_loaded,
+        num_evicted=host.num_evicted,
+        num_dropped=host.num_dropped,
+        hit_tokens=host.hit_tokens,
     )
 
 

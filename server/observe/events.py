@@ -271,14 +271,21 @@ def _snapshot_chunks(events: list[CacheEvent], max_pages: int) -> Iterator[list[
 
 def _to_proto(event: CacheEvent) -> kvmem_pb2.KVEvent:
     if isinstance(event, PagesStored):
-        return _stored_proto(event.keys, event.parent_key, event.token_ids, event.page_size, event.namespace)
+        return _stored_proto(
+            event.keys, event.parent_key, event.token_ids, event.page_size, event.namespace, event.medium
+        )
     if isinstance(event, PagesRemoved):
-        return kvmem_pb2.KVEvent(removed=kvmem_pb2.PagesRemoved(keys=event.keys))
+        return kvmem_pb2.KVEvent(removed=kvmem_pb2.PagesRemoved(keys=event.keys, medium=event.medium))
     return kvmem_pb2.KVEvent(cleared=kvmem_pb2.AllCleared())
 
 
 def _stored_proto(
-    keys: list[bytes], parent_key: bytes | None, tokens: np.ndarray, page_size: int, namespace: str
+    keys: list[bytes],
+    parent_key: bytes | None,
+    tokens: np.ndarray,
+    page_size: int,
+    namespace: str,
+    medium: str = "GPU",
 ) -> kvmem_pb2.KVEvent:
     return kvmem_pb2.KVEvent(
         stored=kvmem_pb2.PagesStored(
@@ -287,5 +294,6 @@ def _stored_proto(
             token_ids=np.ascontiguousarray(tokens, dtype="<i4").tobytes(),
             page_size=page_size,
             cache_namespace=namespace,
+            medium=medium,
         )
     )

@@ -254,7 +254,7 @@ class ZmqEventPublisher:
                         token_ids=event.token_ids.tolist(),
                         block_size=event.page_size,
                         lora_id=None,
-                        medium=MEDIUM_GPU,
+                        medium=event.medium,
                         lora_name=None,
                         extra_keys=extra,
                         group_idx=0,
@@ -263,7 +263,7 @@ class ZmqEventPublisher:
                 )
             elif isinstance(event, PagesRemoved):
                 out.append(
-                    wire.removed(block_hashes=[self._hash(k) for k in event.keys], medium=MEDIUM_GPU, group_idx=0)
+                    wire.removed(block_hashes=[self._hash(k) for k in event.keys], medium=event.medium, group_idx=0)
                 )
             else:
                 out.append(wire.cleared())

@@ -21,6 +21,7 @@ from kvmem.server.core.events import AllCleared, CacheEvent
 from kvmem.server.core.hashing import PageKeys
 from kvmem.server.core.image import CoreImage, ImageLayout, ImageMismatch
 from kvmem.server.core.restore import Restoration, layout_for, restore
+from kvmem.server.core.tier import HostTier
 from kvmem.server.edge.guard import Guard
 from kvmem.server.edge.handlers import add_guarded
 from kvmem.server.edge.service import KVMemoryService, add_to_server, geometry_to_proto, handle_to_proto
@@ -274,6 +275,8 @@ class KVMemServer:
             "audit_every_step": cfg.audit_every_step,
             "event_sink": self._publish_events,
         }
+        if cfg.host_memory is not None:  # checked at start: the CPU pool, no kept state
+            options["host_tier"], options["page_bytes"] = self._host_tier(core_cfg)
         state = getattr(self.memory, "state", None)
         if state is None or self._layout is None:
             return KVCore(core_cfg, block_table, **options)
@@ -296,6 +299,25 @@ class KVMemServer:
             self.memory.state_path,  # type: ignore[attr-defined]
         )
         return core
+
+    def _host_tier(self, core_cfg: CoreConfig) -> tuple[HostTier, int]:
+        """``--host-memory``: the host tier behind the CPU pool, and a page's bytes."""
+        from kvmem.server.memory.geometry import parse_size
+        from kvmem.server.memory.host import HostPages, check_host_memory
+
+        memory = self.memory
+        assert memory is not None and self.config.host_memory is not None
+        geometry = memory.geometry
+        text = self.config.host_memory
+        num_pages = check_host_memory(parse_size(text, "--host-memory"), geometry, memory.num_ranks, text)
+        raw = [memory.kv_raw(rank) for rank in range(memory.num_ranks)]  # type: ignore[attr-defined]
+        mover = HostPages(raw, geometry, core_cfg.num_pages, num_pages)
+        log.info(
+            "host tier: %d pages (%s of host memory per rank), write-back as the pool evicts",
+            num_pages,
+            format_size(num_pages * geometry.page_bytes),
+        )
+        return HostTier(num_pages, core_cfg.page_size, mover), geometry.page_bytes * memory.num_ranks
 
     def _publish_events(self, events: list[CacheEvent]) -> None:
         """The core's event sink: one mutating call's cache events into the event log

@@ -111,6 +111,17 @@ def add_parser(sub: Any, name: str = "serve") -> None:
         "that fits, after the block table; replaces --num-pages",
         _size,
     )
+    option(
+        pool,
+        "--host-memory",
+        None,
+        "a host-memory tier of this size per device (e.g. 16GiB): cached pages the pool evicts are copied "
+        "there (write-back) and a match that reaches them loads them back instead of prefilling them again; "
+        "one index over both tiers, shared by every session. Size it at 2-4x the device pool (--memory) for "
+        "multi-turn chat; each page costs its KV bytes (kvmem serve logs the page size). Off by default; "
+        "cpu device, prefix cache on, no --keep-state",
+        _size,
+    )
     option(pool, "--max-requests", 256, "request slots (concurrently open requests)", integer(1))
     option(pool, "--max-context", 8192, "longest request, in tokens", integer(1))
     mem = serve.add_argument_group("KV memory (the model's KV geometry and where the KV cache lives)")
@@ -373,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
         max_requests=args.max_requests,
         max_context_len=args.max_context,
         memory=args.memory,
+        host_memory=args.host_memory,
         device=args.device,
         devices=args.devices or (),
         shm_dir=args.shm_dir,

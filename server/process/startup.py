@@ -73,6 +73,7 @@ class ServerConfig:
     page_size: int = 16
     num_pages: int = 4096
     memory: str | None = None  # a budget ("40GiB") that sets num_pages instead
+    host_memory: str | None = None  # the host tier's size per rank ("16GiB"); None: no host tier
     max_requests: int = 256
     max_context_len: int = 8192
     # KV memory: "cpu" = the shm backend, "cuda:N" = one GPU, "none" = no KV memory.
@@ -406,6 +407,7 @@ def check_config(
             f"--keep-state keeps the KV memory in --shm-dir (--device cpu); {_device_option(cfg)}'s memory cannot "
             "outlive the process (a CUDA allocation dies with the process that made it: docs/DESIGN.md, Shutdown)"
         )
+    _check_host_memory(cfg, pool, devices)
     if cfg.device == "cpu" and not devices:
         if not os.path.isdir(cfg.shm_dir):
             raise StartupError(f"--shm-dir {cfg.shm_dir}: no such directory")
@@ -428,3 +430,27 @@ def check_config(
 def grpc_reason(exc: RuntimeError) -> str:
     """gRPC's bind error without its advice to set GRPC_VERBOSITY."""
     return str(exc).split("; set GRPC_VERBOSITY", 1)[0]
+
+
+def _check_host_memory(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ...]) -> None:
+    """``--host-memory``: what it cannot be used with, and a size this host can give."""
+    if cfg.host_memory is None:
+        return
+    from kvmem.server.memory.geometry import parse_size
+    from kvmem.server.memory.host import check_host_memory
+
+    if cfg.device == "none":
+        raise StartupError("--host-memory keeps evicted KV in host memory: --device none has no KV memory to keep")
+    if devices or cfg.device != "cpu":
+        raise StartupError(
+            f"--host-memory is not available with {_device_option(cfg)} yet: the host tier copies pages of the CPU "
+            "pool (--device cpu) only"
+        )
+    if cfg.keep_state:
+        raise StartupError("--host-memory cannot be combined with --keep-state yet: the host tier is not kept")
+    if not cfg.prefix_cache:
+        raise StartupError("--host-memory keeps pages the prefix cache evicts: it needs the prefix cache on")
+    try:
+        check_host_memory(parse_size(cfg.host_memory, "--host-memory"), pool.geometry, 1, cfg.host_memory)
+    except GeometryError as exc:
+        raise StartupError(str(exc)) from None

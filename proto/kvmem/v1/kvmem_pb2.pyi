@@ -386,7 +386,7 @@ class AuditResult(_message.Message):
     def __init__(self, ran: _Optional[bool] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions", "prefix_cache_enabled", "prefix_hash", "num_cache_entries", "version", "origin", "num_handoff_tickets", "num_handoff_pages", "num_handed_off", "num_adopted", "num_handoffs_expired", "num_handoffs_given_up")
+    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions", "prefix_cache_enabled", "prefix_hash", "num_cache_entries", "version", "origin", "num_handoff_tickets", "num_handoff_pages", "num_handed_off", "num_adopted", "num_handoffs_expired", "num_handoffs_given_up", "host_tier")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +416,7 @@ class StatsResponse(_message.Message):
     NUM_ADOPTED_FIELD_NUMBER: _ClassVar[int]
     NUM_HANDOFFS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     NUM_HANDOFFS_GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     geometry: PoolGeometry
     num_pages_total: int
@@ -445,7 +446,30 @@ class StatsResponse(_message.Message):
     num_adopted: int
     num_handoffs_expired: int
     num_handoffs_given_up: int
-    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ..., origin: _Optional[_Union[StateOrigin, _Mapping]] = ..., num_handoff_tickets: _Optional[int] = ..., num_handoff_pages: _Optional[int] = ..., num_handed_off: _Optional[int] = ..., num_adopted: _Optional[int] = ..., num_handoffs_expired: _Optional[int] = ..., num_handoffs_given_up: _Optional[int] = ...) -> None: ...
+    host_tier: HostTierStats
+    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ..., origin: _Optional[_Union[StateOrigin, _Mapping]] = ..., num_handoff_tickets: _Optional[int] = ..., num_handoff_pages: _Optional[int] = ..., num_handed_off: _Optional[int] = ..., num_adopted: _Optional[int] = ..., num_handoffs_expired: _Optional[int] = ..., num_handoffs_given_up: _Optional[int] = ..., host_tier: _Optional[_Union[HostTierStats, _Mapping]] = ...) -> None: ...
+
+class HostTierStats(_message.Message):
+    __slots__ = ("num_pages", "num_free_pages", "num_cached_pages", "page_bytes", "num_demoted", "num_loaded", "num_evicted", "num_dropped", "hit_tokens")
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_pages: int
+    num_free_pages: int
+    num_cached_pages: int
+    page_bytes: int
+    num_demoted: int
+    num_loaded: int
+    num_evicted: int
+    num_dropped: int
+    hit_tokens: int
+    def __init__(self, num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., num_demoted: _Optional[int] = ..., num_loaded: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_dropped: _Optional[int] = ..., hit_tokens: _Optional[int] = ...) -> None: ...
 
 class StateOrigin(_message.Message):
     __slots__ = ("kind", "owners", "requests", "pages_in_rows", "cached_pages", "quarantined_pages", "repaired", "adopt_ms", "sessions", "resumed", "not_resumed", "waiting", "undone")
@@ -514,24 +538,28 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[PagesStored, _Mapping]] = ..., removed: _Optional[_Union[PagesRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllCleared, _Mapping]] = ...) -> None: ...
 
 class PagesStored(_message.Message):
-    __slots__ = ("keys", "parent_key", "token_ids", "page_size", "cache_namespace")
+    __slots__ = ("keys", "parent_key", "token_ids", "page_size", "cache_namespace", "medium")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent_key: bytes
     token_ids: bytes
     page_size: int
     cache_namespace: str
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., page_size: _Optional[int] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
+    medium: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., parent_key: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., page_size: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class PagesRemoved(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "medium")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    medium: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class AllCleared(_message.Message):
     __slots__ = ()

@@ -1,0 +1,234 @@
+"""The host-memory tier: cached pages the device pool evicted, kept in host memory under
+the same keys, and loaded back into device pages when a match reaches them.
+
+One index over both tiers: a cached page's key is in the device cache's index
+(:class:`~kvmem.server.core.prefix.PrefixCache`, the page on the device), in this
+tier's (:attr:`HostTier.index`, the page in host memory), or in both (a page loaded
+back keeps its host copy until the host evicts it). The server moves the bytes
+(:class:`PageMover`); clients never see the host tier's pages.
+
+**Write-back.** A cached page goes to the host as the device pool evicts it: the
+device cache hands the evicted pages to :meth:`HostTier.demote` before an alloc takes
+them, which copies each one whose key the host does not hold yet (one the host holds is
+only touched). The copy is made within the evicting call, before anyone can write into
+the page again (the pages go to the allocating request, whose writes come after the
+Step's answer): an eviction never waits for anything but its own copy, and never loses
+a page silently (a page the host cannot take, more than it holds at once, is counted in
+:attr:`HostTier.num_dropped` and reported as removed from both tiers).
+
+**Least recently used first, chains whole.** The host evicts the page whose last use is
+oldest: its demotion, or its last load or touch. The device evicts a chain's end before
+its parent (see :mod:`.prefix`) and demotes in that order; a load touches a run from its
+end to its first page; so a page's parent on the host is always used more recently than
+the page, and the host never evicts a parent before a child it holds: a chain is never
+broken in the middle on either tier (the audit checks that every cached page's parent is
+a root or cached on one of the tiers).
+
+**Loads.** A match whose chain continues past the device's pages in this tier
+(:meth:`HostTier.run`) gets device pages for them in the same call (charged to the
+requester as any alloc; the match is shortened to the pages the pool and the quota can
+give), the bytes copied in (:meth:`HostTier.load`) before the call returns, and the
+pages cached on the device too. The host pages of a load are pinned while the device
+pages are taken (whose evictions demote, and may make the host evict): a page is never
+evicted from under its own load.
+
+Costs: O(pages moved) per call, plus the bytes copied; nothing proportional to either
+tier's size but :meth:`HostTier.audit`.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Protocol
+
+import numpy as np
+
+from kvmem.server.core.events import CacheEvent, PagesRemoved, PagesStored
+
+# The events' medium (vLLM's BlockStored / BlockRemoved ``medium``): where the page is.
+DEVICE, HOST = "GPU", "CPU"
+
+
+class PageMover(Protocol):
+    """Copies whole pages (all layers, all ranks) between the device pool and the host
+    tier; each call returns once the bytes are there."""
+
+    def to_host(self, device_pages: np.ndarray, host_pages: np.ndarray) -> None: ...
+
+    def to_device(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None: ...
+
+
+class HostTier:
+    """Host pages ``[0, num_pages)`` with the device pool's geometry: a free list, a key
+    index, each cached page's facts (key, parent key, namespace, tokens, column in its
+    chain) and an LRU order over the cached pages not pinned by a load in progress."""
+
+    def __init__(self, num_pages: int, page_size: int, mover: PageMover) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a host tier needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.mover = mover
+        self.index: dict[bytes, int] = {}
+        self.key = np.full(num_pages, None, dtype=object)
+        self.parent = np.full(num_pages, None, dtype=object)  # the parent key (a root for a first page)
+        self.namespace = np.full(num_pages, None, dtype=object)
+        self.tokens = np.full(num_pages, None, dtype=object)
+        self.depth = np.zeros(num_pages, dtype=np.int32)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # the top is the end: 0, 1, 2... first
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
+        self._pinned: set[int] = set()
+        self.events: list[CacheEvent] = []  # since the device cache last took them (take_events)
+        # Since start.
+        self.num_demoted = 0  # pages copied to the host
+        self.num_loaded = 0  # pages copied back to the device
+        self.num_evicted = 0  # host pages evicted to make room
+        self.num_dropped = 0  # evicted device pages the host could not take in their call
+        self.hit_tokens = 0  # tokens matches took from the host
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.index)
+
+    def take_events(self) -> list[CacheEvent]:
+        events, self.events = self.events, []
+        return events
+
+    # ------------------------------------------------------------ demotion
+
+    def demote(
+        self,
+        device_pages: np.ndarray,
+        keys: list[bytes],
+        parents: list[bytes],
+        namespaces: list[str],
+        tokens: list[np.ndarray],
+        depths: np.ndarray,
+    ) -> None:
+        """The device evicts ``device_pages`` (cached under ``keys``, least recently used
+        first: a chain's end before its parent), whose K/V is still in them: copy those
+        the host lacks into host pages, touch those it has. When more are new than the
+        host holds, the last ones (the parents) are kept. O(pages)."""
+        index = self.index
+        new: list[int] = []
+        for i, key in enumerate(keys):
+            have = index.get(key)
+            if have is None:
+                new.append(i)
+            elif have not in self._pinned:
+                self._lru.move_to_end(have)
+        if not new:
+            return
+        room = self.num_pages - len(self._pinned)
+        if len(new) > room:
+            dropped = new[: len(new) - room]
+            self.num_dropped += len(dropped)
+            new = new[len(new) - room :]
+        self._make_room(len(new))
+        host = [self._free.pop() for _ in new]
+        picked = np.array(new, dtype=np.intp)
+        self.mover.to_host(device_pages[picked], np.array(host, dtype=np.int64))
+        for i, page in zip(new, host, strict=True):
+            key = keys[i]
+            index[key] = page
+            self.key[page] = key
+            self.parent[page] = parents[i]
+            self.namespace[page] = namespaces[i]
+            self.tokens[page] = tokens[i]
+            self.depth[page] = depths[i]
+            self._lru[page] = None
+            parent = None if depths[i] == 0 else parents[i]
+            self.events.append(PagesStored([key], parent, tokens[i], self.page_size, namespaces[i], HOST))
+        self.num_demoted += len(new)
+
+    def _make_room(self, n: int) -> None:
+        """Evict the least recently used unpinned pages until ``n`` are free."""
+        short = n - len(self._free)
+        if short <= 0:
+            return
+        lru, index = self._lru, self.index
+        gone: list[bytes] = []
+        for _ in range(short):
+            page, _ = lru.popitem(last=False)
+            key = self.key[page]
+            del index[key]
+            gone.append(key)
+            self._free.append(page)
+        self.num_evicted += short
+        self.events.append(PagesRemoved(gone, HOST))
+
+    # ------------------------------------------------------------ loads
+
+    def run(self, keys: list[bytes]) -> list[int]:
+        """The host pages of the longest prefix of ``keys`` this tier holds. O(run)."""
+        out: list[int] = []
+        get = self.index.get
+        for key in keys:
+            page = get(key)
+            if page is None:
+                break
+            out.append(page)
+        return out
+
+    def pin(self, pages: list[int]) -> None:
+        """Keep ``pages`` from eviction until :meth:`load` or :meth:`unpin` (a load's
+        device pages are being taken). O(pages)."""
+        for page in pages:
+            self._lru.pop(page, None)
+            self._pinned.add(page)
+
+    def unpin(self, pages: list[int]) -> None:
+        """Pinned pages whose load was not made: back in the LRU order, end first."""
+        for page in reversed(pages):
+            if page in self._pinned:
+                self._pinned.discard(page)
+                self._lru[page] = None
+
+    def load(self, host_pages: list[int], device_pages: np.ndarray) -> None:
+        """Copy pinned ``host_pages`` (one chain's run, first page first) into
+        ``device_pages``; they are used now: back in the LRU order as the most recent,
+        the run's first page last (so a parent stays more recent than its child).
+        O(pages)."""
+        if not host_pages:
+            return
+        self.mover.to_device(np.array(host_pages, dtype=np.int64), device_pages)
+        self.num_loaded += len(host_pages)
+        self.hit_tokens += len(host_pages) * self.page_size
+        self.unpin(host_pages)
+
+    # ------------------------------------------------------------ audit
+
+    def audit(self, device_index: dict[bytes, int], roots: set[bytes]) -> list[str]:
+        """Every host page accounted for (free + cached + pinned, none twice), the index
+        and the facts agreeing, and every cached host page's parent a root or cached on
+        a tier. O(host pages)."""
+        problems: list[str] = []
+        free = set(self._free)
+        cached = set(self.index.values())
+        lru = set(self._lru)
+        if len(free) != len(self._free):
+            problems.append("host tier: a page is twice on the free list")
+        if free & cached:
+            problems.append(f"host tier: pages both free and cached: {sorted(free & cached)[:8]}")
+        if lru | self._pinned != cached or lru & self._pinned:
+            problems.append("host tier: the LRU order and the pinned pages do not cover the cached pages once each")
+        if len(free) + len(cached) != self.num_pages:
+            problems.append(
+                f"host tier: {len(free)} free + {len(cached)} cached != {self.num_pages} pages (some are lost)"
+            )
+        for key, page in self.index.items():
+            if self.key[page] != key:
+                problems.append(f"host tier: page {page} is indexed under a key it does not carry")
+                break
+            parent = self.parent[page]
+            if self.depth[page] and parent not in self.index and parent not in device_index:
+                problems.append(f"host tier: page {page}'s parent is cached on neither tier (a broken chain)")
+                break
+            if not self.depth[page] and parent not in roots:
+                problems.append(f"host tier: page {page} starts a chain from an unknown root")
+                break
+        return problems

@@ -1,0 +1,153 @@
+"""The host-memory tier on a real server (``kvmem serve --host-memory``), over its socket,
+with its shared memory mapped by clients in separate processes.
+
+One process writes a prompt's K/V through its mapping and releases it into the prefix
+cache; another's allocs take the whole pool, so the prompt's pages are evicted (and
+demoted to the host tier); a third process, which never saw any of it, matches the prompt
+and reads every token's K and V back through its own block-table row: all as written.
+``kvmem stats`` shows the tier; options that cannot work are refused at start with a
+line that says why."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from conftest import ServerProcess, short_tmpdir, start_server
+
+from kvmem.client import KVMemClient, watch_events
+
+PS, PAGES = 4, 9  # 8 usable pages of 4 tokens
+# 2 layers, K and V, 1 head of 2 float32: 128 bytes a page; 16 host pages.
+FLAGS = ["--device", "cpu", "--page-size", str(PS), "--num-pages", str(PAGES), "--max-requests", "8",
+         "--max-context", "32", "--layers", "2", "--kv-heads", "1", "--head-dim", "2", "--dtype", "float32",
+         "--host-memory", "2KiB"]  # fmt: skip
+PROMPT = list(range(100, 114))  # 3 full pages and 2 tokens
+
+# A client process: attach, then run ``action`` (write / fill / read) and print JSON.
+CLIENT = r"""
+import json, sys
+import torch
+from kvmem.client import KVMemClient, watch_events
+
+target, action, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+PS = 4
+
+def value(token, pos, layer, kv):
+    return float(token * 1000 + pos * 10 + layer * 2 + kv)
+
+with KVMemClient(target, name=action) as kv:
+    layers = kv.kv_cache()  # per layer (k, v), each [tokens, heads, dim]
+    (slot,) = kv.open([action]).tolist()
+    if action == "write":
+        r = kv.step(alloc_slots=[slot], alloc_needs=[len(tokens)])
+        for pos, loc in enumerate(r.kv_loc.tolist()):
+            for layer, planes in enumerate(layers):
+                for k in range(2):
+                    planes[k][loc] = value(tokens[pos], pos, layer, k)
+        kv.step(release_slots=[slot], release_token_ids=[tokens])
+        print(json.dumps({"ok": True}))
+    elif action == "fill":
+        r = kv.step(alloc_slots=[slot], alloc_needs=[len(tokens)])
+        ok = r.ok
+        kv.step(release_slots=[slot])
+        print(json.dumps({"ok": ok}))
+    else:
+        r = kv.step(match=[(slot, tokens)])
+        matched = int(r.match_lens[0])
+        row = kv.block_table[slot].tolist()
+        wrong = []
+        for pos in range(matched):
+            loc = row[pos // PS] * PS + pos % PS
+            for layer, planes in enumerate(layers):
+                for k in range(2):
+                    want = value(tokens[pos], pos, layer, k)
+                    got = planes[k][loc].tolist()
+                    if got != [[want, want]]:
+                        wrong.append([pos, layer, k, got])
+        print(json.dumps({"matched": matched, "wrong": wrong[:5]}))
+"""
+
+
+def client(target: str, action: str, tokens: list[int]) -> dict:
+    run = subprocess.run(
+        [sys.executable, "-c", CLIENT, target, action, json.dumps(tokens)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    out: dict = json.loads(run.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.fixture
+def server() -> Iterator[ServerProcess]:
+    srv = start_server(short_tmpdir(), *FLAGS)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_a_third(
+    server: ServerProcess,
+) -> None:
+    assert client(server.target, "write", PROMPT) == {"ok": True}
+    assert client(server.target, "fill", list(range(500, 532))) == {"ok": True}  # every page: the prompt's evicted
+    with KVMemClient(server.target, name="look") as kv:
+        st = kv.stats(audit=True)
+        assert st.audit.ok, st.audit.problems
+        assert (st.num_cached_pages, st.host_tier.num_cached_pages, st.host_tier.num_demoted) == (0, 3, 3)
+    got = client(server.target, "read", PROMPT)
+    assert got == {"matched": 12, "wrong": []}, got
+    with KVMemClient(server.target, name="look") as kv:
+        st = kv.stats(audit=True)
+        assert st.audit.ok, st.audit.problems
+        assert (st.host_tier.num_loaded, st.host_tier.hit_tokens, st.host_tier.page_bytes) == (3, 12, 128)
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvmem.cli", "stats", "--socket", server.socket_path], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "host tier 16 pages   cached 3   free 13   since start: demoted 3, loaded 3 (12 tokens" in shown.stdout
+
+    # The events say where the prompt's pages are, as vLLM's medium does: stored on the
+    # device ("GPU"), stored on the host as they were evicted ("CPU") and removed from the
+    # device, then stored on the device again by the load.
+    with watch_events(server.target) as stream:
+        seen: list[tuple[str, str, int]] = []
+        for batch in stream:
+            for e in batch.events:
+                kind = e.WhichOneof("event")
+                if kind == "stored":
+                    seen.append(("stored", e.stored.medium, len(e.stored.keys)))
+                elif kind == "removed":
+                    seen.append(("removed", e.removed.medium, len(e.removed.keys)))
+            if seen and seen[-1] == ("stored", "GPU", 3) and ("stored", "CPU", 1) in seen:
+                break
+    prompt = [x for x in seen if x[2] in (1, 3)]
+    assert prompt[0] == ("stored", "GPU", 3)  # the write's release
+    assert prompt.count(("stored", "CPU", 1)) == 3  # demoted one page per event
+    assert seen.index(("stored", "CPU", 1)) < seen.index(("removed", "GPU", 3))
+    assert prompt[-1] == ("stored", "GPU", 3)  # the load
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (("--host-memory", "1GiB", "--device", "none"), "--device none has no KV memory to keep"),
+        (("--host-memory", "1GiB", "--keep-state"), "cannot be combined with --keep-state yet"),
+        (("--host-memory", "1GiB", "--no-prefix-cache"), "it needs the prefix cache on"),
+        (("--host-memory", "100", "--layers", "2"), "--host-memory 100 holds no page: a page of this geometry is"),
+        (("--host-memory", "1000TiB"), "more than the"),
+        (("--host-memory", "lots"), "must be a size such as 40GiB"),
+    ],
+)
+def test_tier_options_that_cannot_work_are_refused_at_start(extra: tuple[str, ...], words: str) -> None:
+    directory = short_tmpdir()
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmem.cli", "serve", "--socket", os.path.join(directory, "s"), *extra],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode != 0 and words in run.stderr, run.stderr
+    assert not os.path.exists(os.path.join(directory, "s"))  # refused before anything was created
