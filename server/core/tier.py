@@ -13,16 +13,18 @@ them, which copies each one whose key the host does not hold yet (one the host h
 only touched). The copy is made within the evicting call, before anyone can write into
 the page again (the pages go to the allocating request, whose writes come after the
 Step's answer): an eviction never waits for anything but its own copy, and never loses
-a page silently (a page the host cannot take, more than it holds at once, is counted in
-:attr:`HostTier.num_dropped` and reported as removed from both tiers).
+a page silently (one the host cannot take, when a batch is bigger than the host's room,
+is counted in :attr:`HostTier.num_dropped` and reported as removed).
 
 **Least recently used first, chains whole.** The host evicts the page whose last use is
 oldest: its demotion, or its last load or touch. The device evicts a chain's end before
 its parent (see :mod:`.prefix`) and demotes in that order; a load touches a run from its
-end to its first page; so a page's parent on the host is always used more recently than
-the page, and the host never evicts a parent before a child it holds: a chain is never
-broken in the middle on either tier (the audit checks that every cached page's parent is
-a root or cached on one of the tiers).
+end to its first page; so a page's parent on the host is used more recently than the
+page, and the host evicts children first. Of an evicted batch, the host keeps a page
+only with its parent (decided parents first); a page whose parent leaves both tiers
+anyway (a batch bigger than the room) goes with it, descendants included. A chain is
+never broken in the middle on either tier: the audit checks that every cached page's
+parent is a root or cached on one of the tiers.
 
 **Loads.** A match whose chain continues past the device's pages in this tier
 (:meth:`HostTier.run`) gets device pages for them in the same call (charged to the
@@ -111,39 +113,103 @@ class HostTier:
     ) -> None:
         """The device evicts ``device_pages`` (cached under ``keys``, least recently used
         first: a chain's end before its parent), whose K/V is still in them: copy those
-        the host lacks into host pages, touch those it has. When more are new than the
-        host holds, the last ones (the parents) are kept. O(pages)."""
-        index = self.index
+        the host lacks into host pages, touch those it has.
+
+        Which pages of the batch the host keeps is decided parents first: a page is kept
+        when its parent stays on the device (not in the batch; a chain's first page's
+        parent is its root) or is kept, while the host has room (every page but those a
+        load pinned). A page of the batch the host had but does not keep is evicted from
+        it; one it lacked and does not keep is dropped (counted). So no page is kept
+        without its parent: a chain never breaks. O(pages)."""
+        index, lru, pinned = self.index, self._lru, self._pinned
+        n = len(keys)
+        in_batch = set(keys)
+        kept: set[bytes] = set()
+        keep = [False] * n
+        budget = self.num_pages - len(pinned)
+        for i in range(n - 1, -1, -1):
+            key = keys[i]
+            have = index.get(key)
+            if have is not None and have in pinned:  # a load's: it stays as the load left it
+                kept.add(key)
+                continue
+            if budget > 0 and (parents[i] not in in_batch or parents[i] in kept):
+                keep[i] = True
+                kept.add(key)
+                budget -= 1
+        gone: list[bytes] = []
+        lost: set[bytes] = set()  # keys of the batch on neither tier after this call
         new: list[int] = []
+        held: list[int] = []  # kept pages the host has: out of the LRU order while it makes room
         for i, key in enumerate(keys):
             have = index.get(key)
             if have is None:
-                new.append(i)
-            elif have not in self._pinned:
-                self._lru.move_to_end(have)
-        if not new:
-            return
-        room = self.num_pages - len(self._pinned)
-        if len(new) > room:
-            dropped = new[: len(new) - room]
-            self.num_dropped += len(dropped)
-            new = new[len(new) - room :]
-        self._make_room(len(new))
-        host = [self._free.pop() for _ in new]
-        picked = np.array(new, dtype=np.intp)
-        self.mover.to_host(device_pages[picked], np.array(host, dtype=np.int64))
-        for i, page in zip(new, host, strict=True):
-            key = keys[i]
+                if keep[i]:
+                    new.append(i)
+                else:
+                    self.num_dropped += 1
+                    lost.add(key)
+            elif have not in pinned:
+                del lru[have]
+                if keep[i]:
+                    pinned.add(have)
+                    held.append(have)
+                else:
+                    del index[key]
+                    self._free.append(have)
+                    gone.append(key)
+                    lost.add(key)
+        if lost:
+            gone += self._orphans(lost)
+        if gone:
+            self.num_evicted += len(gone)
+            self.events.append(PagesRemoved(gone, HOST))
+        host: list[int] = []
+        if new:
+            self._make_room(len(new))
+            host = [self._free.pop() for _ in new]
+            picked = np.array(new, dtype=np.intp)
+            self.mover.to_host(device_pages[picked], np.array(host, dtype=np.int64))
+        placed = dict(zip(new, host, strict=True))
+        held_set = set(held)
+        for i, key in enumerate(keys):  # in the batch's order: a chain's end first, its parents after
+            page = placed.get(i)
+            if page is None:
+                have = index.get(key)
+                if have is not None and have in held_set:
+                    pinned.discard(have)
+                    lru[have] = None
+                continue
             index[key] = page
             self.key[page] = key
             self.parent[page] = parents[i]
             self.namespace[page] = namespaces[i]
             self.tokens[page] = tokens[i]
             self.depth[page] = depths[i]
-            self._lru[page] = None
+            lru[page] = None
             parent = None if depths[i] == 0 else parents[i]
             self.events.append(PagesStored([key], parent, tokens[i], self.page_size, namespaces[i], HOST))
         self.num_demoted += len(new)
+
+    def _orphans(self, lost: set[bytes]) -> list[bytes]:
+        """Evict the host pages whose chain goes through a key in ``lost`` (and their
+        descendants): rare (a batch bigger than the room, every page pinned), so a pass
+        over the host's index per generation. Returns their keys."""
+        gone: list[bytes] = []
+        while lost:
+            orphans = [
+                (key, page)
+                for key, page in self.index.items()
+                if self.parent[page] in lost and page not in self._pinned
+            ]
+            lost = set()
+            for key, page in orphans:
+                del self.index[key]
+                self._lru.pop(page, None)
+                self._free.append(page)
+                gone.append(key)
+                lost.add(key)
+        return gone
 
     def _make_room(self, n: int) -> None:
         """Evict the least recently used unpinned pages until ``n`` are free."""

@@ -1,0 +1,120 @@
+"""Property test of the host-memory tier: random interleavings of requests that match
+(on either tier), compute and write their K/V, cache or release into the prefix cache,
+and of allocs that evict (demoting to the host, which evicts in turn), on small pools.
+
+After every call the core audits both tiers (``audit_every_step``: every page of the
+pool free, used, cached or quarantined once; every host page free, cached or pinned
+once; every cached page's parent a root or cached on a tier), and every running
+request's K/V, read through its row, is what was written for its tokens at their
+positions: a page matched from either tier is never another's, never stale, never
+half-copied."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmem.server.core import AllocStatus, CoreConfig, KVCore, StepBatch
+from kvmem.server.core.tier import HostTier
+from kvmem.server.memory.geometry import KVGeometry, PoolSpec
+from kvmem.server.memory.host import HostPages, planes_of
+
+PS = 2
+GEOMETRY = KVGeometry("mha", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", page_size=PS)
+BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 50, 51, 52, 53], [60, 61, 62, 63, 64, 65]]
+
+
+def pattern(token: int, position: int, plane: int, width: int) -> np.ndarray:
+    return ((np.arange(width) * 3 + token * 17 + position * 5 + plane * 29) % 251).astype(np.uint8)
+
+
+class World:
+    def __init__(self, num_pages: int, host_pages: int) -> None:
+        spec = PoolSpec(GEOMETRY, num_pages, 8, 10)
+        self.raw = np.zeros(spec.kv_bytes, dtype=np.uint8)
+        self.tier = HostTier(host_pages, PS, HostPages([self.raw], GEOMETRY, num_pages, host_pages))
+        self.core = KVCore(
+            CoreConfig(num_pages=num_pages, page_size=PS, max_requests=8, max_context_len=10),
+            audit_every_step=True,
+            host_tier=self.tier,
+            page_bytes=GEOMETRY.page_bytes,
+        )
+        self.owner = self.core.add_owner()
+        self.slots = self.raw.reshape(planes_of(GEOMETRY), num_pages * PS, -1)
+        self.running: dict[int, list[int]] = {}  # slot -> tokens computed (K/V written)
+        self.n = 0
+
+    def write(self, kv_loc: np.ndarray, toks: list[int], start: int) -> None:
+        for i, loc in enumerate(kv_loc.tolist()):
+            for plane in range(self.slots.shape[0]):
+                self.slots[plane, loc] = pattern(toks[i], start + i, plane, self.slots.shape[2])
+
+    def check(self) -> None:
+        for slot, toks in self.running.items():
+            row = self.core.block_table[slot]
+            for pos, tok in enumerate(toks):
+                loc = int(row[pos // PS]) * PS + pos % PS
+                for plane in range(self.slots.shape[0]):
+                    want = pattern(tok, pos, plane, self.slots.shape[2])
+                    assert np.array_equal(self.slots[plane, loc], want), (slot, pos)
+
+    def start(self, toks: list[int], cache: bool) -> None:
+        if len(self.running) >= 6:
+            return
+        self.n += 1
+        (slot,) = self.core.open(self.owner, [f"r{self.n}"]).tolist()
+        r = self.core.step(
+            self.owner, StepBatch.of(match=[(slot, toks, len(toks) - 1)], alloc_slots=[slot], alloc_needs=[len(toks)])
+        )
+        matched = int(r.match_lens[0])
+        if r.alloc_status.tolist() != [AllocStatus.OK]:  # out of pages: the match stays, nothing computed
+            self.running[slot] = toks[:matched]
+            self.release(slot, with_tokens=False)
+            return
+        self.write(r.kv_loc, toks[matched:], matched)
+        self.running[slot] = list(toks)
+        if cache:
+            self.core.step(self.owner, StepBatch.of(cache=[(slot, toks)]))
+
+    def release(self, slot: int, with_tokens: bool) -> None:
+        toks = self.running.pop(slot)
+        tokens = [toks] if with_tokens else None
+        self.core.step(self.owner, StepBatch.of(release_slots=[slot], release_tokens=tokens))
+
+    def fill(self, n: int) -> None:
+        """An alloc of ``n`` tokens (evicting), released at once without caching."""
+        self.n += 1
+        (slot,) = self.core.open(self.owner, [f"f{self.n}"]).tolist()
+        self.core.step(self.owner, StepBatch.of(alloc_slots=[slot], alloc_needs=[n], atomic=False))
+        self.core.step(self.owner, StepBatch.of(release_slots=[slot]))
+
+
+ops = st.one_of(
+    st.tuples(st.just("start"), st.integers(0, len(BASES) - 1), st.integers(3, 10), st.booleans()),
+    st.tuples(st.just("start"), st.integers(0, len(BASES) - 1), st.just(10), st.just(False)),
+    st.tuples(st.just("release"), st.integers(0, 7), st.booleans()),
+    st.tuples(st.just("release"), st.integers(0, 7), st.just(True)),
+    st.tuples(st.just("fill"), st.integers(1, 10)),
+    st.tuples(st.just("fill"), st.integers(6, 10)),
+)
+
+
+@settings(deadline=None)
+@given(st.integers(6, 14), st.integers(1, 10), st.lists(ops, min_size=15, max_size=60))
+def test_tier_random_interleavings_keep_every_page_and_every_byte(num_pages: int, host_pages: int, plan: list) -> None:
+    w = World(num_pages, host_pages)
+    for op in plan:
+        if op[0] == "start":
+            _, base, length, cache = op
+            w.start(BASES[base][:length], cache)
+        elif op[0] == "release":
+            _, pick, with_tokens = op
+            if w.running:
+                w.release(sorted(w.running)[pick % len(w.running)], with_tokens)
+        else:
+            w.fill(op[1])
+        w.check()
+    stats = w.core.stats()
+    host = stats.host
+    assert host is not None and host.num_free_pages + host.num_cached_pages == host_pages
