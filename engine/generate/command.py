@@ -118,6 +118,33 @@ def add_parser(sub: Any, name: str = "generate") -> None:
         default="client",
         help="drive kvmem through the batched client or through the drop-in, kvmem.client.compat (default: client)",
     )
+    p.add_argument(
+        "--workload",
+        choices=["prompts", "multi-turn"],
+        default="prompts",
+        help="prompts: each prompt once (--prompts or the built-in set); multi-turn: --users conversations of "
+        "--turns turns on two shared system prompts, a round per turn, each turn's prompt the whole conversation "
+        "so far (the last answer and a follow-up question appended), so a turn matches its history in the prefix "
+        "cache, on the host tier (--host-memory) once the pool needed those pages; the report gives the time to "
+        "first token per turn (default: prompts)",
+    )
+    p.add_argument("--users", metavar="N", type=integer(1), default=16, help="multi-turn: conversations (default: 16)")
+    p.add_argument("--turns", metavar="N", type=integer(1), default=3, help="multi-turn: turns each (default: 3)")
+    p.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        default=None,
+        help="when generate starts its own server: give it a host-memory tier of this size (kvmem serve "
+        "--host-memory); with multi-turn its pool is sized to hold --max-running requests, not every "
+        "conversation, so histories leave it between turns (default: none)",
+    )
+    p.add_argument(
+        "--num-pages",
+        metavar="N",
+        type=integer(2),
+        default=None,
+        help="when generate starts its own server: its pool, page 0 included (default: sized for the prompts)",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the check against the model's own generate()")
     p.add_argument(
         "--print-serve-flags", action="store_true", help="print the kvmem serve flags this model needs, and exit"
@@ -181,10 +208,18 @@ def _config(model: str | None) -> Any:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .worker import builtin_prompts, read_prompts
+    from .worker import builtin_prompts, multi_turn_prompts, read_prompts
 
     info: IO[str] = sys.stderr if args.json else sys.stdout
-    prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()
+    if args.workload == "multi-turn":
+        if args.prompts or args.disaggregate or args.drain_worker_after:
+            raise UsageError(
+                "--workload multi-turn makes its own prompts and runs them in rounds: no --prompts, "
+                "--disaggregate or drains"
+            )
+        prompts = multi_turn_prompts(args.users, args.turns)
+    else:
+        prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()
     from ..server_process import server_for
     from .geometry import GeometryMismatch, check_geometry, serve_flags
 
@@ -195,7 +230,8 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
 
     def own_argv() -> list[str]:
-        return ["serve", "--device", "cpu", *flags.split(), *_sizes(prompts, args), "--log-level", "warning"]
+        tier = ["--host-memory", args.host_memory] if args.host_memory else []
+        return ["serve", "--device", "cpu", *flags.split(), *_sizes(prompts, args), *tier, "--log-level", "warning"]
 
     with server_for(args.tcp or f"unix:{args.socket}", "generate", own_argv, info) as (target, _):
         from kvmem.client.admin import stats
@@ -208,12 +244,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _sizes(prompts: list[Any], args: argparse.Namespace) -> list[str]:
-    """Pool options for the prompts: the longest fits the context; every request fits at once."""
-    lens = [p.estimated_tokens() + args.max_new_tokens for p in prompts]
+    """Pool options for the prompts: the longest fits the context; every request fits at
+    once (multi-turn: the requests that run at once, --max-running a worker, at their
+    last turn's length: not every conversation, so histories leave the pool)."""
+    turn = [p.estimated_tokens() + args.max_new_tokens for p in prompts]
+    lens = [n * (p.turn + 1) + 64 * p.turn for n, p in zip(turn, prompts, strict=True)]  # + the follow-ups
     max_context = PAGE_SIZE * math.ceil(max(512, max(lens)) / PAGE_SIZE)
     workers = sum(args.disaggregate) if args.disaggregate else args.workers or 2
     pages = sum(math.ceil(n / PAGE_SIZE) for n in lens) + 2 * workers
-    num_pages = max(pages, 2 * max_context // PAGE_SIZE) + 1
+    if args.workload == "multi-turn":
+        running = min(args.max_running, math.ceil(args.users / workers)) * workers
+        pages = running * math.ceil(max(lens) / PAGE_SIZE) + 2 * workers
+    num_pages = args.num_pages or max(pages, 2 * max_context // PAGE_SIZE) + 1
+    max_context = min(max_context, (num_pages - 1) * PAGE_SIZE)  # a small --num-pages: the context it holds
     sizes = {"--page-size": PAGE_SIZE, "--num-pages": num_pages, "--max-requests": len(prompts) + 16}
     sizes["--max-context"] = max_context
     return [word for flag, value in sizes.items() for word in (flag, str(value))]
@@ -236,10 +279,12 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
         shares = [prompts[w::p] for w in range(p)] + [[] for _ in range(d)]
     else:
         wanted = args.workers or 2
-        n = min(wanted, len(prompts))
+        turns = args.turns if args.workload == "multi-turn" else 1
+        n = min(wanted, len(prompts) // turns)
         if n < wanted:
-            print(f"{len(prompts)} prompts: {n} workers", file=info)
-        roles, shares = ["mixed"] * n, [prompts[w::n] for w in range(n)]
+            print(f"{len(prompts) // turns} {'conversations' if turns > 1 else 'prompts'}: {n} workers", file=info)
+        roles = ["mixed"] * n
+        shares = [[p for p in prompts if p.user % n == w] if turns > 1 else prompts[w::n] for w in range(n)]
     workers = len(roles)
     drain_w, drain_n = args.drain_worker_after or (-1, 0)
     run_id = secrets.token_hex(3)
@@ -265,6 +310,7 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
             corrupt=args.corrupt_one_token and w == 0,
             role=roles[w],
             drain_after=drain_n if w == drain_w else 0,
+            turns=args.turns if args.workload == "multi-turn" else 1,
         )
         for w in range(workers)
     ]

@@ -102,6 +102,27 @@ def report(
         "mismatches": mismatches,
         "errors": errors,
     }
+    turns = sorted({c.get("turn", 0) for c in completions})
+    if len(turns) > 1:  # a multi-turn workload: each turn's time to first token, from its round's start
+        result["turns"] = [
+            {
+                "turn": t + 1,
+                "time_to_first_token_ms": _summary([c["ttft_s"] for c in completions if c.get("turn", 0) == t]),
+                "prompt_tokens": sum(c["prompt_tokens"] for c in completions if c.get("turn", 0) == t),
+                "matched_tokens": sum(c["matched_tokens"] for c in completions if c.get("turn", 0) == t),
+            }
+            for t in turns
+        ]
+    if pool.HasField("host_tier"):
+        h = pool.host_tier
+        result["host_tier"] = {
+            "pages": int(h.num_pages),
+            "cached": int(h.num_cached_pages),
+            "demoted": int(h.num_demoted),
+            "loaded": int(h.num_loaded),
+            "hit_tokens": int(h.hit_tokens),
+            "evicted": int(h.num_evicted),
+        }
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -124,6 +145,18 @@ def report(
             print(
                 f"w{row['worker']} {row['role']}: {row['generated_tokens']} tokens in {row['seconds']:.1f} s, "
                 f"{row['tokens_per_s']:.1f} tokens/s{hit}{timing}{moved}"
+            )
+        for row in result.get("turns", []):
+            ttft = row["time_to_first_token_ms"]
+            print(
+                f"turn {row['turn']}: TTFT p50 {ttft['p50']:.0f} ms, mean {ttft['mean']:.0f} ms over {ttft['n']} "
+                f"requests; prefix hit {row['matched_tokens']}/{row['prompt_tokens']} prompt tokens"
+            )
+        if "host_tier" in result:
+            h = result["host_tier"]
+            print(
+                f"host tier: {h['cached']} of {h['pages']} pages cached; demoted {h['demoted']}, loaded {h['loaded']} "
+                f"({h['hit_tokens']} prompt tokens matched from it, not prefilled again), evicted {h['evicted']}"
             )
         p = result["pool"]
         print(

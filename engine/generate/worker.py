@@ -48,6 +48,15 @@ QUESTIONS = (
 )
 
 
+FOLLOW_UPS = (
+    "Can you explain that a little more?",
+    "Give one concrete example.",
+    "Say it again in at most ten words.",
+    "Why does that matter?",
+    "What do people often get wrong about it?",
+)
+
+
 class PromptError(ValueError):
     """A prompts file that cannot be read; the message names the file and line."""
 
@@ -64,17 +73,25 @@ class Prompt:
     text: str | None = None
     messages: list[dict[str, str]] | None = None
     token_ids: list[int] | None = None
+    turn: int = 0  # a multi-turn conversation's turn (0: its first, or a single prompt)
+    user: int = 0  # its conversation
 
     def describe(self, width: int = 48) -> str:
         """A short, one-line view of the prompt."""
+        if self.turn:
+            return _cut(f"user {self.user}, turn {self.turn + 1}: {self.question}", width)
         if self.token_ids is not None:
             shown = f"token ids {self.token_ids[:8]}{'...' if len(self.token_ids) > 8 else ''}"
         elif self.messages is not None:
             shown = str(self.messages[-1].get("content", ""))
         else:
             shown = str(self.text)
-        shown = " ".join(shown.split())
-        return shown if len(shown) <= width else shown[: width - 3] + "..."
+        return _cut(shown, width)
+
+    @property
+    def question(self) -> str:
+        """A chat's last message (a multi-turn conversation's question of this turn)."""
+        return str((self.messages or [{}])[-1].get("content", ""))
 
     def estimated_tokens(self) -> int:
         """An upper estimate of its tokens, before a tokenizer (for sizing a pool)."""
@@ -82,6 +99,48 @@ class Prompt:
             return len(self.token_ids)
         chars = sum(len(m.get("content", "")) for m in self.messages or ()) + len(self.text or "")
         return chars // 2 + 32 * (len(self.messages or ()) + 1)
+
+
+def _cut(text: str, width: int) -> str:
+    shown = " ".join(text.split())
+    return shown if len(shown) <= width else shown[: width - 3] + "..."
+
+
+def multi_turn_prompts(users: int, turns: int) -> list[Prompt]:
+    """``users`` conversations of ``turns`` turns each, turn-major (``index = turn * users
+    + user``): a user's first turn is a system prompt (one of two, shared) and a question
+    of its own; each later turn appends the last completion and a follow-up question, so
+    a turn's prompt is the whole conversation so far. Only the first turn's tokens are
+    known ahead; the worker builds the others from what the model answered."""
+    out: list[Prompt] = []
+    for turn in range(turns):
+        for user in range(users):
+            if turn == 0:
+                question = f"I am user {user}. {QUESTIONS[user % len(QUESTIONS)]}"
+            else:
+                question = FOLLOW_UPS[(user + turn - 1) % len(FOLLOW_UPS)]
+            chat = [{"role": "system", "content": SYSTEM_PROMPTS[user % 2]}, {"role": "user", "content": question}]
+            out.append(Prompt(turn * users + user, messages=chat, turn=turn, user=user))
+    return out
+
+
+def follow_up_ids(tokenizer: Any, question: str) -> list[int]:
+    """The tokens a follow-up ``question`` adds after an answer: the chat template's
+    rendering between an assistant message and the next generation prompt (the answer's
+    end marker, the user turn, the assistant's start), or, for a tokenizer without a chat
+    template, the question on a line of its own."""
+    if getattr(tokenizer, "chat_template", None):
+        marker = "\ue000"
+        chat = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": marker},
+            {"role": "user", "content": question},
+        ]
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        tail = text.split(marker, 1)[1]
+        return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(f"\n{question}\n", add_special_tokens=False)["input_ids"])
 
 
 def builtin_prompts() -> list[Prompt]:
@@ -167,6 +226,8 @@ def encode(prompt: Prompt, tokenizer: Any, model: str | None) -> list[int]:
             'with {"token_ids": [...]} lines'
         )
     if prompt.messages is not None:
+        if not getattr(tokenizer, "chat_template", None):  # a plain tokenizer: the messages as lines
+            return list(tokenizer("\n".join(m["content"] for m in prompt.messages) + "\n")["input_ids"])
         text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt.text)["input_ids"])
@@ -192,6 +253,7 @@ class GenerateConfig:
     corrupt: bool = False  # test hook: the first completion's last token is reported off by one
     role: str = "mixed"  # mixed, prefill or decode (see .moves)
     drain_after: int = 0  # test hook: SIGTERM itself once it has generated this many tokens (0: never)
+    turns: int = 1  # > 1: its prompts are conversations of this many turns, turn-major (multi_turn_prompts)
 
 
 def worker_main(
@@ -233,7 +295,12 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
         what = config.model or "(the bundled SmolLM2)"
         raise LoadError(f"cannot load --model {what}: {' '.join(str(err).split())}") from None
     attention = model.config._attn_implementation
-    ids = [encode(p, tokenizer, config.model) for p in config.prompts]
+    turns = config.turns
+    users = len(config.prompts) // turns
+    if turns > 1 and tokenizer is None:
+        raise PromptError("a multi-turn workload needs the model's tokenizer (the follow-up questions are text)")
+    # The first turn's tokens; a later turn's are built from the answers (see below).
+    ids = [encode(p, tokenizer, config.model) for p in config.prompts[:users]]
     stops = stop_tokens(model, tokenizer)
     counts = {"generated": 0, "computed": 0, "forwards": 0, "finished": 0}
     started = last = 0.0
@@ -273,17 +340,27 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
         hook = model.register_forward_hook(on_forward, with_kwargs=True)
         started = time.monotonic()
         try:
-            out = engine.generate(
-                ids,
-                max_new_tokens=config.max_new_tokens,
-                stop_token_ids=stops,
-                token_budget=config.token_budget,
-                speculate=config.speculate,
-                on_delta=took,
-                moves=None if moves is None else moves.moves,
-                started_at=started,
-                indices=[p.index for p in config.prompts],
-            )
+            out: list[Any] = []
+            asked: list[list[int]] = []  # every request's prompt tokens, in the order of config.prompts
+            for turn in range(turns):  # one round per turn: its prompts are the conversations so far
+                chunk = config.prompts[turn * users : (turn + 1) * users]
+                if turn:
+                    ids = [
+                        [*prompt, *_answer(c.token_ids, stops), *follow_up_ids(tokenizer, p.question)]
+                        for prompt, c, p in zip(asked[-users:], out[-users:], chunk, strict=True)
+                    ]
+                asked += ids
+                out += engine.generate(
+                    ids,
+                    max_new_tokens=config.max_new_tokens,
+                    stop_token_ids=stops,
+                    token_budget=config.token_budget,
+                    speculate=config.speculate,
+                    on_delta=took,
+                    moves=None if moves is None else moves.moves,
+                    started_at=time.monotonic() if turn else started,  # a turn's TTFT counts from its round
+                    indices=[p.index for p in chunk],
+                )
             elapsed = time.monotonic() - started
             if moves is not None:
                 moves.finish()  # its tickets adopted before its session ends
@@ -299,15 +376,17 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
         messages.put({"kind": "checking", "worker": w, **counts, "elapsed_s": elapsed})
         check.wait()
         model.set_attn_implementation(attention if attention != ATTENTION else "sdpa")
-        references = [_reference(model, p, config.max_new_tokens, stops) for p in ids]
+        references = [_reference(model, p, config.max_new_tokens, stops) for p in asked]
     described = {p.index: p.describe() for p in config.prompts}
     if moves is None:
         completions = [{**dataclasses.asdict(c), "index": p.index} for c, p in zip(out, config.prompts, strict=True)]
     else:  # the requests that finished here (theirs or adopted), by their indices among all prompts
         completions = [dataclasses.asdict(c) for c in out]
+    turn_of = {p.index: p.turn for p in config.prompts}
     for c in completions:
         c.pop("logits", None)
         c["prompt"] = described.get(c["index"], "")
+        c["turn"] = turn_of.get(c["index"], 0)
     if config.corrupt:
         ids_out = completions[0]["token_ids"]
         ids_out[-1] = (ids_out[-1] + 1) % int(model.config.vocab_size)
@@ -322,6 +401,12 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
             "references": references,
         },
     )
+
+
+def _answer(token_ids: list[int], stops: list[int]) -> list[int]:
+    """A completion as the next turn's prompt carries it: without its stop token (the
+    follow-up's tokens end the answer as the chat template does)."""
+    return token_ids[:-1] if token_ids and token_ids[-1] in stops else token_ids
 
 
 def _reference(model: Any, prompt: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:

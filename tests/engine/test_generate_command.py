@@ -240,3 +240,27 @@ def test_a_worker_told_to_stop_hands_its_running_requests_to_its_peer(
     w0, w1 = result["workers"]
     assert (w0["drained"], w0["handed_off"], w1["adopted"], w1["drained"]) == (True, 3, 3, False)
     assert sorted(c["index"] for c in moved) == [0, 2, 4]  # worker 0's share
+
+
+def test_tier_multi_turn_conversations_come_back_from_the_host_tier_token_identical(
+    model_dir: pathlib.Path, absent_socket: str
+) -> None:
+    """--workload multi-turn on a pool that holds one running conversation, not all 6:
+    later turns match their history from the host tier (loaded, not prefilled again) and
+    every turn's completion equals the model's own generate() on the whole conversation."""
+    run = generate(
+        "--model", model_dir, "--workload", "multi-turn", "--users", "6", "--turns", "3", "--workers", "1",
+        "--max-running", "1", "--max-new-tokens", str(NEW_TOKENS), "--num-pages", "12", "--host-memory", "4MiB",
+        "--socket", absent_socket, "--json",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "--host-memory 4MiB" in run.stderr
+    result = json.loads(run.stdout)
+    assert (result["ok"], result["checked"], result["mismatches"]) == (True, True, []), result["errors"]
+    assert len(result["completions"]) == 18 and all(c["matches_generate"] for c in result["completions"])
+    assert [t["turn"] for t in result["turns"]] == [1, 2, 3]
+    assert all(t["time_to_first_token_ms"]["n"] == 6 for t in result["turns"])
+    later = result["turns"][2]
+    assert later["matched_tokens"] > later["prompt_tokens"] // 2, later  # the history, matched
+    tier = result["host_tier"]
+    assert tier["demoted"] > 0 and tier["loaded"] > 0 and tier["hit_tokens"] == 16 * tier["loaded"], tier
