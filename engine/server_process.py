@@ -132,9 +132,15 @@ def own_server_argv(args: argparse.Namespace) -> list[str]:
     ps = OWN_PAGE_SIZE
     mean = args.shared * args.system_prompt_len + args.prompt_len + args.output_len
     longest = 1.5 * args.system_prompt_len + 4 * (args.prompt_len + args.output_len)
+    if getattr(args, "workload", "default") == "multi-turn":  # a request is a conversation so far
+        turn = args.prompt_len + args.output_len
+        mean = args.system_prompt_len + (args.turns + 1) / 2 * turn
+        longest = 1.5 * args.system_prompt_len + 2 * args.turns * turn
     max_context = min(max(1024, ps * math.ceil(longest / ps)), 65536)
     demand = args.workers * args.max_running * mean / ps
     num_pages = args.num_pages or max(4 * max_context // ps, math.ceil(0.5 * demand)) + 1
+    max_context = min(max_context, (num_pages - 1) * ps)  # a small --num-pages: the context it holds
     max_requests = args.workers * args.max_running + 16
     sizes = f"--page-size {ps} --num-pages {num_pages} --max-requests {max_requests} --max-context {max_context}"
-    return ["serve", "--device", args.device, *sizes.split(), "--log-level", "warning"]
+    tier = ["--host-memory", args.host_memory] if getattr(args, "host_memory", None) else []
+    return ["serve", "--device", args.device, *sizes.split(), *tier, "--log-level", "warning"]

@@ -127,6 +127,14 @@ def add_parser(sub: Any, name: str = "simulate") -> None:
         "the workload, so that it fits with the prefix cache's sharing but not without)",
     )
 
+    server.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        default=None,
+        help="when simulate starts its own server: give it a host-memory tier of this size (kvmem serve "
+        "--host-memory: evicted prefixes are kept in host memory and loaded back on a match; default: none)",
+    )
+
     work = p.add_argument_group("the workload (per worker; the same seed and options give the same requests)")
     work.add_argument(
         "--workers", metavar="N", type=integer(1), default=4, help="scheduler worker processes (default: 4)"
@@ -141,6 +149,19 @@ def add_parser(sub: Any, name: str = "simulate") -> None:
         default=None,
         help="run for this many seconds instead: arrivals stop then, and the requests that "
         "arrived finish (default: off)",
+    )
+    work.add_argument(
+        "--workload",
+        choices=["default", "multi-turn"],
+        default="default",
+        help="default: independent requests (some on shared system prompts, some speculative); multi-turn: chat "
+        "users whose conversations grow turn by turn (--turns) on the shared system prompts, each turn's prompt "
+        "the whole conversation so far, the users interleaved so that a history waits for the others' turns "
+        "(with a pool smaller than all histories, it leaves the device between turns: --host-memory keeps it); "
+        "the report gives the time to first token per turn (default: default)",
+    )
+    work.add_argument(
+        "--turns", metavar="N", type=integer(2), default=4, help="multi-turn: turns per conversation (default: 4)"
     )
     work.add_argument("--seed", metavar="N", type=int, default=0, help="seed of the workload (default: 0)")
     work.add_argument(

@@ -18,6 +18,7 @@ worker reports (:func:`progress`).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +119,18 @@ class SimWorker:
     worker: int
     digest: WorkloadDigest
     verified: Verified
+    arrived: dict[str, float] = dataclasses.field(default_factory=dict)  # request name -> when it arrived
+
+    def ttft_by_turn(self) -> dict[int, list[float]]:
+        """Time to first token of each finished request (from its arrival: queueing and
+        the wait for its prefix included), by its conversation's turn (0 for a
+        workload of single requests)."""
+        out: dict[int, list[float]] = {}
+        for r in self.sched.finished:
+            at = self.arrived.get(r.name)
+            if at is not None and r.first_at:
+                out.setdefault(r.origin[0].turn, []).append(r.first_at - at)
+        return out
 
 
 def scheduler(
@@ -136,6 +149,11 @@ def scheduler(
     (None: no check, as in the baseline)."""
     digest = WorkloadDigest()
     check = _Check(read_back, worker, corrupt) if read_back is not None else None
+    arrived: dict[str, float] = {}
+
+    def on_arrival(r: Request) -> None:
+        digest.add(r.origin[0])
+        arrived[r.name] = time.monotonic()
 
     def backoff(r: Request, it: int) -> int:
         return it + min(2**r.preemptions, 64) + (r.index + worker) % 8
@@ -148,10 +166,10 @@ def scheduler(
         budget=chunk_tokens,
         max_running=max_running,
         policy=policy,
-        on_arrival=lambda r: digest.add(r.origin[0]),
+        on_arrival=on_arrival,
     )
     sched.add(requests(spec, worker))
-    return SimWorker(sched, worker, digest, check.verified if check is not None else Verified())
+    return SimWorker(sched, worker, digest, check.verified if check is not None else Verified(), arrived)
 
 
 COUNTERS: tuple[str, ...] = (

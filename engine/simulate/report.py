@@ -198,6 +198,46 @@ def totals(run: RunState) -> dict[str, Any]:
     return out
 
 
+def turn_rows(run: RunState) -> list[dict[str, Any]]:
+    """A multi-turn run's time to first token per turn, over every worker's finished
+    requests: p50, p99 and mean in ms, from each request's arrival."""
+    by_turn: dict[int, list[float]] = {}
+    for m in run.final.values():
+        for turn, seconds in (m.get("ttft") or {}).items():
+            by_turn.setdefault(int(turn), []).extend(seconds)
+    rows = []
+    for turn in sorted(by_turn):
+        ms = sorted(1000 * s for s in by_turn[turn])
+        rows.append(
+            {
+                "turn": turn + 1,
+                "requests": len(ms),
+                "ttft_ms": {
+                    "p50": round(ms[len(ms) // 2], 2),
+                    "p99": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 2),
+                    "mean": round(sum(ms) / len(ms), 2),
+                },
+            }
+        )
+    return rows
+
+
+def host_tier(stats: Any) -> dict[str, Any] | None:
+    """The server's host-memory tier from its Stats (None: it has none)."""
+    if not stats.HasField("host_tier"):
+        return None
+    h = stats.host_tier
+    return {
+        "pages": int(h.num_pages),
+        "cached": int(h.num_cached_pages),
+        "demoted": int(h.num_demoted),
+        "loaded": int(h.num_loaded),
+        "evicted": int(h.num_evicted),
+        "dropped": int(h.num_dropped),
+        "hit_tokens": int(h.hit_tokens),
+    }
+
+
 def worker_rows(run: RunState) -> list[dict[str, Any]]:
     rows = []
     for w in range(run.num_workers):
@@ -243,6 +283,19 @@ def summary_lines(run: RunState, result: dict[str, Any]) -> list[str]:
         lines.append(
             f"verified: {t['verified_requests']:,} requests read back through the block table before release, "
             f"{t['verified_tokens']:,} tokens in {t['verified_pages']:,} pages, every layer's K and V: all as written"
+        )
+    for row in result.get("turns") or ():
+        ttft = row["ttft_ms"]
+        lines.append(
+            f"turn {row['turn']}: time to first token p50 {ttft['p50']:,.1f} ms, p99 {ttft['p99']:,.1f} ms "
+            f"({row['requests']:,} requests, from arrival)"
+        )
+    h = result.get("host_tier")
+    if h is not None:
+        lines.append(
+            f"host tier: {h['cached']:,} of {h['pages']:,} pages cached; {h['demoted']:,} demoted, {h['loaded']:,} "
+            f"loaded ({h['hit_tokens']:,} prompt tokens matched from it, not prefilled again), {h['evicted']:,} "
+            f"evicted, {h['dropped']:,} dropped"
         )
     lines.append(f"workload digest {result['workload']['digest']} (seed {result['workload']['seed']})")
     return lines

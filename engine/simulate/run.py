@@ -32,11 +32,13 @@ from .report import (
     LiveView,
     RunState,
     comparison_lines,
+    host_tier,
     plot,
     pool_line,
     pool_summary,
     summary_lines,
     totals,
+    turn_rows,
     worker_rows,
     worker_table,
 )
@@ -64,6 +66,7 @@ def _spec(args: argparse.Namespace, max_len: int) -> WorkloadSpec:
         spec_k=args.spec_k,
         accept=args.accept,
         max_len=max_len,
+        turns=args.turns if args.workload == "multi-turn" else 1,
     )
 
 
@@ -238,6 +241,10 @@ def _with_server(
     total = server["num_pages_total"]
     run = _run("kvmem", worker_main, configs, view, sample, lambda r: pool_line(r, total))
     result = _result(args, spec, server, run)
+    try:
+        result["host_tier"] = host_tier(pool_stats())
+    except KVMemError:
+        result["host_tier"] = None
     if run.finished and not (run.failures or run.errors) and reference is not None:
         result["baseline"], base = _baseline(args, configs, server, reference, view, info)
         if base.failures or base.errors:
@@ -320,6 +327,8 @@ def _result(args: argparse.Namespace, spec: WorkloadSpec, server: dict[str, Any]
         "workers": rows,
         "failures": run.failures,
         "errors": run.errors,
+        "turns": turn_rows(run) if spec.turns > 1 else None,
+        "host_tier": None,
         "baseline": None,
         "comparison": None,
         "series": [

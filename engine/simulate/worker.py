@@ -101,7 +101,9 @@ def drive(
             messages.put(progress(sim, now - start, **extra()))
             last = now
     elapsed = time.perf_counter() - start
-    final = progress(sim, elapsed, "done", stopped=not sched.done, digest=sim.digest.hexdigest(), **extra())
+    final = progress(
+        sim, elapsed, "done", stopped=not sched.done, digest=sim.digest.hexdigest(), ttft=sim.ttft_by_turn(), **extra()
+    )
     messages.put(final)
 
 

@@ -31,7 +31,11 @@ class WorkloadSpec:
     output): the server's context limit and a share of its pool, so one request always
     fits. ``arrival_rate``: mean arrivals per scheduler iteration (a Poisson process in
     iterations, not seconds, so the schedule does not depend on the machine's speed).
-    ``requests``: per worker; None: endless (a run by duration)."""
+    ``requests``: per worker; None: endless (a run by duration).
+
+    ``turns`` > 1: a multi-turn chat workload instead (:func:`conversations`): users
+    whose conversations grow turn by turn on a shared system prompt; each request is one
+    turn, its prompt the whole conversation so far."""
 
     seed: int = 0
     requests: int | None = 200
@@ -45,6 +49,7 @@ class WorkloadSpec:
     spec_k: int = 4
     accept: float = 0.7
     max_len: int = 8192
+    turns: int = 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,6 +65,7 @@ class SimRequest:
     prompt_len: int
     system: int
     spec_k: int
+    turn: int = 0  # its conversation's turn (multi-turn workloads; else 0)
 
     @property
     def total_len(self) -> int:
@@ -85,6 +91,9 @@ def _lognormal(rng: np.random.Generator, mean: int) -> int:
 def generate(spec: WorkloadSpec, worker: int) -> Iterator[SimRequest]:
     """Worker ``worker``'s requests in arrival order (endless when ``spec.requests`` is
     None). O(tokens) each: one vectorised draw of its user tokens and output."""
+    if spec.turns > 1:
+        yield from conversations(spec, worker)
+        return
     shared = system_prompts(spec)
     rng = np.random.default_rng([spec.seed, worker + 1])
     arrival = 0.0
@@ -101,6 +110,50 @@ def generate(spec: WorkloadSpec, worker: int) -> Iterator[SimRequest]:
         prompt_len = min(head.size + user, tokens.size - 1) if tokens.size > 1 else 1
         yield SimRequest(index, f"w{worker}-r{index}", int(arrival), tokens, prompt_len, system, spec_k)
         index += 1
+
+
+def conversations(spec: WorkloadSpec, worker: int) -> Iterator[SimRequest]:
+    """A multi-turn chat workload, the shape of SGLang's multi-turn benchmark: each user
+    (``ceil(requests / turns)`` of them per worker, endless users for a run by duration)
+    has a conversation on one of the shared system prompts, ``turns`` turns of a user
+    message (``prompt_len`` tokens on average) and an answer (``output_len``); turn ``t``'s
+    request is the conversation up to its answer, its prompt everything before the
+    answer (so it starts with turn ``t - 1``'s whole request). Requests come turn by
+    turn, the users interleaved (turn 1 of every user of a group of users, then turn 2,
+    ...), so a user's history waits for all the others' turns between two of its own:
+    on a pool smaller than all the histories it leaves the device between turns. A
+    conversation stops at ``max_len`` tokens (its last turns are dropped). No drafts."""
+    shared = system_prompts(spec) or [np.zeros(0, dtype=np.int32)]
+    rng = np.random.default_rng([spec.seed, worker + 1, 0x7475])
+    arrival = 0.0
+    index = 0
+    group = 16  # users interleaved at once; a run by duration takes group after group
+    while spec.requests is None or index < spec.requests:
+        users = group if spec.requests is None else min(group, -(-(spec.requests - index) // spec.turns))
+        turns: list[list[tuple[np.ndarray, int, int]]] = []  # per user: (tokens, prompt_len, system) per turn
+        for _ in range(users):
+            system = int(rng.integers(len(shared)))
+            conv = shared[system]
+            mine: list[tuple[np.ndarray, int, int]] = []
+            for _ in range(spec.turns):
+                user = rng.integers(1, VOCAB, size=_lognormal(rng, spec.prompt_len), dtype=np.int32)
+                answer = rng.integers(1, VOCAB, size=_lognormal(rng, spec.output_len), dtype=np.int32)
+                prompt_len = conv.size + user.size
+                conv = np.concatenate([conv, user, answer])
+                if conv.size > spec.max_len:
+                    break
+                mine.append((conv, prompt_len, system))
+            turns.append(mine)
+        if not any(turns):  # max_len holds not even a first turn: nothing would ever come
+            return
+        for t in range(spec.turns):
+            for u in range(users):
+                if t >= len(turns[u]) or (spec.requests is not None and index >= spec.requests):
+                    continue
+                tokens, prompt_len, system = turns[u][t]
+                arrival += float(rng.exponential(1.0 / spec.arrival_rate)) if spec.arrival_rate > 0 else 0.0
+                yield SimRequest(index, f"w{worker}-r{index}", int(arrival), tokens, prompt_len, system, 0, t)
+                index += 1
 
 
 class WorkloadDigest:

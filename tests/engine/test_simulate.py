@@ -222,3 +222,28 @@ def test_missing_prerequisites_are_one_line_and_exit_2(tmpdir_short: str) -> Non
     if importlib.util.find_spec("matplotlib") is None:
         run = simulate("--socket", nowhere, "--plot", os.path.join(tmpdir_short, "p.png"))
         assert run.returncode == 2 and "pip install 'kvmem[plot]'" in run.stderr, run.stderr
+
+
+def test_tier_multi_turn_histories_leave_the_pool_and_come_back_from_the_host_tier(tmpdir_short: str) -> None:
+    """--workload multi-turn on a pool too small for every conversation, with a host
+    tier: later turns match their history from the host (every request's K/V read back
+    before its release: all as written), and the report gives each turn's TTFT."""
+    socket_path = os.path.join(tmpdir_short, "nobody.sock")
+    args = [
+        "--socket", socket_path, "--workload", "multi-turn", "--turns", "3", "--workers", "1", "--requests", "24",
+        "--prompt-len", "24", "--output-len", "12", "--system-prompts", "1", "--system-prompt-len", "32",
+        "--arrival-rate", "0.5", "--max-running", "4", "--num-pages", "48", "--json",
+    ]  # fmt: skip
+    run = simulate(*args, "--host-memory", "8MiB")
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(run.stdout)
+    assert "--host-memory 8MiB" in run.stderr
+    t, tier = report["totals"], report["host_tier"]
+    assert t["done"] == 24 and t["verified_requests"] >= 24, t
+    assert tier["demoted"] > 0 and tier["loaded"] > 0 and tier["hit_tokens"] > 0, tier
+    assert [row["turn"] for row in report["turns"]] == [1, 2, 3]
+    assert sum(row["requests"] for row in report["turns"]) == 24
+    # The same workload without the tier prefills more (its histories are gone).
+    plain = json.loads(simulate(*args).stdout)
+    assert plain["host_tier"] is None
+    assert plain["totals"]["prefill_tokens"] > t["prefill_tokens"], (plain["totals"], t)
