@@ -76,12 +76,18 @@ class HostPages:
         self._host = [np.empty((num_pages, planes, row), dtype=np.uint8) for _ in device]
 
     def to_host(self, device_pages: np.ndarray, host_pages: np.ndarray) -> None:
+        # A page at a time, straight from its planes into its host page: one copy of its
+        # bytes (a gather of all pages first, then a transposing scatter, copies twice:
+        # 0.33x a memcpy's speed against this loop's 0.85x, bench/tier_bench.py's copy part).
+        # The loop is over pages, never tokens: a page is planes x row bytes (KiBs).
         for dev, host in zip(self._device, self._host, strict=True):
-            host[host_pages] = dev[:, device_pages].swapaxes(0, 1)
+            for d, h in zip(device_pages.tolist(), host_pages.tolist(), strict=True):
+                host[h] = dev[:, d]
 
     def to_device(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
         for dev, host in zip(self._device, self._host, strict=True):
-            dev[:, device_pages] = host[host_pages].swapaxes(0, 1)
+            for h, d in zip(host_pages.tolist(), device_pages.tolist(), strict=True):
+                dev[:, d] = host[h]
 
     def page(self, host_page: int, rank: int = 0) -> np.ndarray:
         """One host page's bytes ``[planes, row]`` (a view): for tests and tools."""

