@@ -10,6 +10,8 @@ A scrape of ``GET /metrics`` shows (names under ``kvmem_``):
   tokens and evictions;
 - the prefix cache: whether it is on (and its key recipe), cache entries, and totals of
   query and hit tokens (hit rate = hit / query), pages inserted and pages evicted;
+- the host-memory tier (``--host-memory``): its pages by state, pages and bytes moved
+  each way, pages evicted and dropped, prompt tokens matched from it;
 - totals since start: steps, pages allocated and released, alloc items by status
   (``OUT_OF_PAGES`` is memory pressure), sessions ended and why;
 - per RPC method: calls by gRPC code, errors by kvmem reason, and a histogram of the
@@ -43,7 +45,7 @@ import gzip
 import logging
 import platform
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -60,6 +62,7 @@ from prometheus_client.registry import Collector
 
 from kvmem.cli.version import version
 from kvmem.server.core import AllocStatus
+from kvmem.server.core.config import HostTierStats
 
 if TYPE_CHECKING:
     from kvmem.server.sessions import ServerStats, Sessions
@@ -197,6 +200,7 @@ class KVMemCollector(Collector):
             'Pages with a key in the prefix cache, held by requests or not (kvmem_pages{state="cached"}: not).',
             pool.num_cache_entries,
         )
+        yield from _host_tier(pool.host)
 
     def _per_session(self, stats: ServerStats) -> Iterator[Metric]:
         labels = ["session", "index"]
@@ -418,3 +422,39 @@ def _headers(block: str) -> dict[str, str]:
             key, val = name.strip().lower(), val.strip()
             found[key] = f"{found[key]}, {val}" if key in found else val
     return found
+
+
+def _host_tier(host: HostTierStats | None) -> Iterator[Any]:
+    """The host-memory tier (kvmem serve --host-memory), when there is one: its pages by
+    state, pages moved each way, evicted and dropped, the tokens matches took from it."""
+    if host is None:
+        return
+    pages = GaugeMetricFamily(
+        "kvmem_host_tier_pages", "Host-tier pages by state; free + cached = the tier's pages.", labels=["state"]
+    )
+    pages.add_metric(["free"], host.num_free_pages)
+    pages.add_metric(["cached"], host.num_cached_pages)
+    yield pages
+    moved = CounterMetricFamily(
+        "kvmem_host_tier_pages_moved",
+        "Pages copied between the tiers: to the host as the pool evicted them (demoted), back for a match (loaded).",
+        labels=["direction"],
+    )
+    moved.add_metric(["demoted"], host.num_demoted)
+    moved.add_metric(["loaded"], host.num_loaded)
+    yield moved
+    yield CounterMetricFamily(
+        "kvmem_host_tier_bytes_moved", "Bytes copied between the tiers, both ways.",
+        (host.num_demoted + host.num_loaded) * host.page_bytes,
+    )  # fmt: skip
+    lost = CounterMetricFamily(
+        "kvmem_host_tier_pages_gone",
+        "Host-tier pages evicted to make room (evicted), and pool pages it could not take (dropped).",
+        labels=["reason"],
+    )
+    lost.add_metric(["evicted"], host.num_evicted)
+    lost.add_metric(["dropped"], host.num_dropped)
+    yield lost
+    yield CounterMetricFamily(
+        "kvmem_host_tier_hit_tokens", "Prompt tokens matches loaded from the host tier.", host.hit_tokens
+    )

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from conftest import ServerProcess, short_tmpdir, start_server
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmem.client import KVMemClient, watch_events
 
@@ -32,7 +35,7 @@ PROMPT = list(range(100, 114))  # 3 full pages and 2 tokens
 CLIENT = r"""
 import json, sys
 import torch
-from kvmem.client import KVMemClient, watch_events
+from kvmem.client import KVMemClient
 
 target, action, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 PS = 4
@@ -84,7 +87,7 @@ def client(target: str, action: str, tokens: list[int]) -> dict:
 
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
-    srv = start_server(short_tmpdir(), *FLAGS)
+    srv = start_server(short_tmpdir(), *FLAGS, "--metrics", "127.0.0.1:0")
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -110,6 +113,20 @@ def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "host tier 16 pages   cached 3   free 13   since start: demoted 3, loaded 3 (12 tokens" in shown.stdout
+    found = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", server.log())
+    assert found, server.log()
+    with urllib.request.urlopen(found.group(1), timeout=10) as resp:
+        samples = {
+            (x.name, tuple(sorted(x.labels.items()))): x.value
+            for family in text_string_to_metric_families(resp.read().decode())
+            for x in family.samples
+        }
+    assert samples[("kvmem_host_tier_pages", (("state", "cached"),))] == 3
+    assert samples[("kvmem_host_tier_pages", (("state", "free"),))] == 13
+    assert samples[("kvmem_host_tier_pages_moved_total", (("direction", "demoted"),))] == 3
+    assert samples[("kvmem_host_tier_pages_moved_total", (("direction", "loaded"),))] == 3
+    assert samples[("kvmem_host_tier_bytes_moved_total", ())] == 6 * 128
+    assert samples[("kvmem_host_tier_hit_tokens_total", ())] == 12
 
     # The events say where the prompt's pages are, as vLLM's medium does: stored on the
     # device ("GPU"), stored on the host as they were evicted ("CPU") and removed from the
