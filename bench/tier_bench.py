@@ -201,7 +201,38 @@ def part_copy(quick: bool) -> dict[str, Any]:
         f"  {n} pages of {geometry.page_bytes / 1024:.0f} KiB each way: tier {1000 * t:.1f} ms "
         f"({2 * moved / t / 2**30:.2f} GiB/s), plain copy {1000 * p:.1f} ms ({2 * moved / p / 2**30:.2f} GiB/s)"
     )
-    return {"copy_vs_plain_copy": p / t, "copy_gib_s": 2 * moved / t / 2**30, "plain_gib_s": 2 * moved / p / 2**30}
+    out = {"copy_vs_plain_copy": p / t, "copy_gib_s": 2 * moved / t / 2**30, "plain_gib_s": 2 * moved / p / 2**30}
+    out["copy_ms_per_page"] = 1000 * t / (2 * n)
+    out["prefill_ms_per_page"] = _prefill_ms_per_page()
+    if out["prefill_ms_per_page"] is not None:
+        say(
+            f"  --host-min-load-tokens: a page copied in {out['copy_ms_per_page']:.3f} ms, its 16 tokens computed "
+            f"(SmolLM2, one thread, a chunk of 16) in {out['prefill_ms_per_page']:.0f} ms"
+        )
+    return out
+
+
+def _prefill_ms_per_page() -> float | None:
+    """SmolLM2's forward over one page of tokens (16, one torch thread), the median of 5:
+    what a load saves per page (None without the bundled model)."""
+    from kvmem.engine.generate.models import bundled_gguf
+
+    if bundled_gguf() is None:
+        return None
+    import torch
+
+    from kvmem.engine.generate.models import load
+
+    torch.set_num_threads(1)
+    model, _ = load(None, dtype=torch.float32)
+    ids = torch.randint(100, 1000, (1, 16))
+    times = []
+    with torch.inference_mode():
+        for _ in range(6):
+            t0 = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[1:])
 
 
 # ---------------------------------------------------------------- 4. step

@@ -283,8 +283,9 @@ def match(
             lens[i] = m * ps
         if missed is not None and tier is not None and missed in tier.index:
             more = [missed, *_more(keys, tier.index)]
-            loads.append(_Load(i, slot, m, tier.run(more), more, last))
-            m += len(more)
+            if len(more) >= tier.min_load_pages:  # else computing them beats copying them
+                loads.append(_Load(i, slot, m, tier.run(more), more, last))
+                m += len(more)
         if quota_left is not None:
             quota_left -= m
     if runs:

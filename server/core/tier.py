@@ -65,10 +65,11 @@ class HostTier:
     index, each cached page's facts (key, parent key, namespace, tokens, column in its
     chain) and an LRU order over the cached pages not pinned by a load in progress."""
 
-    def __init__(self, num_pages: int, page_size: int, mover: PageMover) -> None:
+    def __init__(self, num_pages: int, page_size: int, mover: PageMover, min_load_pages: int = 1) -> None:
         if num_pages < 1:
             raise ValueError(f"a host tier needs at least one page, got {num_pages}")
         self.num_pages = num_pages
+        self.min_load_pages = max(1, min_load_pages)  # a shorter load is not made: its tokens are computed
         self.page_size = page_size
         self.mover = mover
         self.index: dict[bytes, int] = {}

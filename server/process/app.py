@@ -317,7 +317,9 @@ class KVMemServer:
             num_pages,
             format_size(num_pages * geometry.page_bytes),
         )
-        return HostTier(num_pages, core_cfg.page_size, mover), geometry.page_bytes * memory.num_ranks
+        min_pages = -(-self.config.host_min_load_tokens // core_cfg.page_size)
+        tier = HostTier(num_pages, core_cfg.page_size, mover, min_pages)
+        return tier, geometry.page_bytes * memory.num_ranks
 
     def _publish_events(self, events: list[CacheEvent]) -> None:
         """The core's event sink: one mutating call's cache events into the event log

@@ -122,6 +122,16 @@ def add_parser(sub: Any, name: str = "serve") -> None:
         "cpu device, prefix cache on, no --keep-state",
         _size,
     )
+    option(
+        pool,
+        "--host-min-load-tokens",
+        16,
+        "with --host-memory: a match's continuation on the host tier shorter than this is not loaded (its "
+        "tokens are computed instead). Copying a page beat computing its tokens at every length measured "
+        "(SmolLM2-135M in fp32 on a CPU: a 720 KiB page in ~0.1 ms, its 16 tokens' prefill ~200 ms; "
+        "bench/tier_bench.py), so the default loads any whole page",
+        integer(1),
+    )
     option(pool, "--max-requests", 256, "request slots (concurrently open requests)", integer(1))
     option(pool, "--max-context", 8192, "longest request, in tokens", integer(1))
     mem = serve.add_argument_group("KV memory (the model's KV geometry and where the KV cache lives)")
@@ -385,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
         max_context_len=args.max_context,
         memory=args.memory,
         host_memory=args.host_memory,
+        host_min_load_tokens=args.host_min_load_tokens,
         device=args.device,
         devices=args.devices or (),
         shm_dir=args.shm_dir,

@@ -74,6 +74,7 @@ class ServerConfig:
     num_pages: int = 4096
     memory: str | None = None  # a budget ("40GiB") that sets num_pages instead
     host_memory: str | None = None  # the host tier's size per rank ("16GiB"); None: no host tier
+    host_min_load_tokens: int = 16  # a load from the host tier shorter than this is computed instead
     max_requests: int = 256
     max_context_len: int = 8192
     # KV memory: "cpu" = the shm backend, "cuda:N" = one GPU, "none" = no KV memory.
@@ -450,6 +451,8 @@ def _check_host_memory(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ..
         raise StartupError("--host-memory cannot be combined with --keep-state yet: the host tier is not kept")
     if not cfg.prefix_cache:
         raise StartupError("--host-memory keeps pages the prefix cache evicts: it needs the prefix cache on")
+    if cfg.host_min_load_tokens < 1:
+        raise StartupError(f"--host-min-load-tokens must be >= 1, got {cfg.host_min_load_tokens}")
     try:
         check_host_memory(parse_size(cfg.host_memory, "--host-memory"), pool.geometry, 1, cfg.host_memory)
     except GeometryError as exc:

@@ -26,12 +26,14 @@ GEOMETRY = KVGeometry("mha", num_layers=2, num_kv_heads=1, head_dim=2, dtype="fl
 class Pool:
     """A core with a host tier over a numpy KV pool, and the pool's bytes."""
 
-    def __init__(self, num_pages: int = 9, host_pages: int = 16, max_context_len: int = 32) -> None:
+    def __init__(
+        self, num_pages: int = 9, host_pages: int = 16, max_context_len: int = 32, min_load_pages: int = 1
+    ) -> None:
         spec = PoolSpec(GEOMETRY, num_pages, 8, max_context_len)
         self.raw = np.zeros(spec.kv_bytes, dtype=np.uint8)
         self.events: list = []
         self.mover = HostPages([self.raw], GEOMETRY, num_pages, host_pages)
-        self.tier = HostTier(host_pages, PS, self.mover)
+        self.tier = HostTier(host_pages, PS, self.mover, min_load_pages)
         self.core = KVCore(
             CoreConfig(num_pages=num_pages, page_size=PS, max_requests=8, max_context_len=max_context_len),
             audit_every_step=True,
@@ -184,6 +186,24 @@ def test_tier_two_matches_of_one_step_load_a_page_once() -> None:
     p.check(s2, prompt)
     st = p.core.stats()
     assert (st.host.num_loaded, st.num_used_pages) == (3, 3)
+
+
+def test_tier_a_load_shorter_than_the_minimum_is_computed_instead() -> None:
+    p = Pool(num_pages=9, min_load_pages=4)  # --host-min-load-tokens 16 with pages of 4
+    prompt = tokens(12, 100)  # 3 pages: shorter than the minimum
+    p.run("a", prompt)
+    big = p.run("b", tokens(32, 500), release=False)
+    p.core.step(p.owner, StepBatch.of(release_slots=[big]))
+    assert p.core.stats().host.num_cached_pages == 3
+    assert p.match("c", prompt)[1] == 0  # not loaded: the request computes them
+    assert p.core.stats().host.num_loaded == 0
+    longer = tokens(16, 300)  # 4 pages: loaded
+    p.run("d", longer)
+    big = p.run("e", tokens(32, 700), release=False)
+    p.core.step(p.owner, StepBatch.of(release_slots=[big]))
+    slot, matched = p.match("f", longer)
+    assert matched == 16
+    p.check(slot, longer)
 
 
 def test_tier_cannot_be_used_with_a_kept_image_or_without_the_prefix_cache() -> None:
