@@ -141,7 +141,28 @@ class PrefixCache:
             self.cached[where] = True
             if self._image is not None:  # into the image at the call's end (flush_image)
                 self._pending.append((where, cols, keys, parent, tokens, namespace))
+            if self.tier is not None and self.tier.write_through:
+                self._write_through(where, cols, keys, parent, tokens, namespace)
         return out
+
+    def _write_through(
+        self, where: np.ndarray, cols: np.ndarray, keys: list[bytes], parent: bytes, tokens: np.ndarray, ns: str
+    ) -> None:
+        """``--host-write-policy write-through``: pages just cached go to the host tier at
+        once, handed over chain end first as an eviction would (the tier keeps a page
+        only with its parent). O(pages) and their copies."""
+        assert self.tier is not None
+        ps = self.page_size
+        order = cols[::-1].tolist()
+        self.tier.demote(
+            where[::-1],
+            [keys[c] for c in order],
+            [keys[c - 1] if c else parent for c in order],
+            [ns] * len(order),
+            [tokens[c * ps : (c + 1) * ps].copy() for c in order],
+            self.depth[where[::-1]],
+        )
+        self.events += self.tier.take_events()
 
     def flush_image(self) -> None:
         """Write the facts of the pages this call cached into the image, then their

@@ -65,10 +65,15 @@ class HostTier:
     index, each cached page's facts (key, parent key, namespace, tokens, column in its
     chain) and an LRU order over the cached pages not pinned by a load in progress."""
 
-    def __init__(self, num_pages: int, page_size: int, mover: PageMover, min_load_pages: int = 1) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, mover: PageMover, min_load_pages: int = 1, write_through: bool = False
+    ) -> None:
         if num_pages < 1:
             raise ValueError(f"a host tier needs at least one page, got {num_pages}")
         self.num_pages = num_pages
+        # write-through: pages go to the host as they are cached (PrefixCache.insert), so an
+        # eviction only touches them; write-back (the default): as the pool evicts them.
+        self.write_through = write_through
         self.min_load_pages = max(1, min_load_pages)  # a shorter load is not made: its tokens are computed
         self.page_size = page_size
         self.mover = mover

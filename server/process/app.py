@@ -313,12 +313,15 @@ class KVMemServer:
         raw = [memory.kv_raw(rank) for rank in range(memory.num_ranks)]  # type: ignore[attr-defined]
         mover = HostPages(raw, geometry, core_cfg.num_pages, num_pages)
         log.info(
-            "host tier: %d pages (%s of host memory per rank), write-back as the pool evicts",
+            "host tier: %d pages (%s of host memory per rank, %s a page), %s",
             num_pages,
             format_size(num_pages * geometry.page_bytes),
+            format_size(geometry.page_bytes),
+            self.config.host_write_policy,
         )
         min_pages = -(-self.config.host_min_load_tokens // core_cfg.page_size)
-        tier = HostTier(num_pages, core_cfg.page_size, mover, min_pages)
+        policy = self.config.host_write_policy
+        tier = HostTier(num_pages, core_cfg.page_size, mover, min_pages, write_through=policy == "write-through")
         return tier, geometry.page_bytes * memory.num_ranks
 
     def _publish_events(self, events: list[CacheEvent]) -> None:

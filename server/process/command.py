@@ -132,6 +132,15 @@ def add_parser(sub: Any, name: str = "serve") -> None:
         "bench/tier_bench.py), so the default loads any whole page",
         integer(1),
     )
+    option(
+        pool,
+        "--host-write-policy",
+        "write-back",
+        "with --host-memory: when a cached page is copied to the host tier: write-back, as the pool evicts it "
+        "(only pages that leave are copied); write-through, as soon as it is cached (every cached page is "
+        "copied once; an eviction then copies nothing)",
+        one_of("write-back", "write-through"),
+    )
     option(pool, "--max-requests", 256, "request slots (concurrently open requests)", integer(1))
     option(pool, "--max-context", 8192, "longest request, in tokens", integer(1))
     mem = serve.add_argument_group("KV memory (the model's KV geometry and where the KV cache lives)")
@@ -396,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
         memory=args.memory,
         host_memory=args.host_memory,
         host_min_load_tokens=args.host_min_load_tokens,
+        host_write_policy=args.host_write_policy,
         device=args.device,
         devices=args.devices or (),
         shm_dir=args.shm_dir,

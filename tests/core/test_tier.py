@@ -27,13 +27,18 @@ class Pool:
     """A core with a host tier over a numpy KV pool, and the pool's bytes."""
 
     def __init__(
-        self, num_pages: int = 9, host_pages: int = 16, max_context_len: int = 32, min_load_pages: int = 1
+        self,
+        num_pages: int = 9,
+        host_pages: int = 16,
+        max_context_len: int = 32,
+        min_load_pages: int = 1,
+        write_through: bool = False,
     ) -> None:
         spec = PoolSpec(GEOMETRY, num_pages, 8, max_context_len)
         self.raw = np.zeros(spec.kv_bytes, dtype=np.uint8)
         self.events: list = []
         self.mover = HostPages([self.raw], GEOMETRY, num_pages, host_pages)
-        self.tier = HostTier(host_pages, PS, self.mover, min_load_pages)
+        self.tier = HostTier(host_pages, PS, self.mover, min_load_pages, write_through)
         self.core = KVCore(
             CoreConfig(num_pages=num_pages, page_size=PS, max_requests=8, max_context_len=max_context_len),
             audit_every_step=True,
@@ -204,6 +209,21 @@ def test_tier_a_load_shorter_than_the_minimum_is_computed_instead() -> None:
     slot, matched = p.match("f", longer)
     assert matched == 16
     p.check(slot, longer)
+
+
+def test_tier_write_through_copies_pages_as_they_are_cached_and_evicting_copies_nothing() -> None:
+    p = Pool(write_through=True)
+    prompt = tokens(14, 100)
+    p.run("a", prompt)  # released with its tokens: its 3 full pages cached, and on the host at once
+    st = p.core.stats()
+    assert (st.num_cached_pages, st.host.num_cached_pages, st.host.num_demoted) == (3, 3, 3)
+    assert sum(len(e.keys) for e in p.events if isinstance(e, PagesStored) and e.medium == "CPU") == 3
+    big = p.run("b", tokens(32, 500), release=False)  # evicts them: nothing more to copy
+    assert p.core.stats().host.num_demoted == 3
+    p.core.step(p.owner, StepBatch.of(release_slots=[big]))
+    slot, matched = p.match("c", prompt)
+    assert matched == 12
+    p.check(slot, prompt[:12])
 
 
 def test_tier_cannot_be_used_with_a_kept_image_or_without_the_prefix_cache() -> None:

@@ -30,10 +30,11 @@ def pattern(token: int, position: int, plane: int, width: int) -> np.ndarray:
 
 
 class World:
-    def __init__(self, num_pages: int, host_pages: int) -> None:
+    def __init__(self, num_pages: int, host_pages: int, write_through: bool = False) -> None:
         spec = PoolSpec(GEOMETRY, num_pages, 8, 10)
         self.raw = np.zeros(spec.kv_bytes, dtype=np.uint8)
-        self.tier = HostTier(host_pages, PS, HostPages([self.raw], GEOMETRY, num_pages, host_pages))
+        mover = HostPages([self.raw], GEOMETRY, num_pages, host_pages)
+        self.tier = HostTier(host_pages, PS, mover, write_through=write_through)
         self.core = KVCore(
             CoreConfig(num_pages=num_pages, page_size=PS, max_requests=8, max_context_len=10),
             audit_every_step=True,
@@ -101,9 +102,11 @@ ops = st.one_of(
 
 
 @settings(deadline=None)
-@given(st.integers(6, 14), st.integers(1, 10), st.lists(ops, min_size=15, max_size=60))
-def test_tier_random_interleavings_keep_every_page_and_every_byte(num_pages: int, host_pages: int, plan: list) -> None:
-    w = World(num_pages, host_pages)
+@given(st.integers(6, 14), st.integers(1, 10), st.booleans(), st.lists(ops, min_size=15, max_size=60))
+def test_tier_random_interleavings_keep_every_page_and_every_byte(
+    num_pages: int, host_pages: int, write_through: bool, plan: list
+) -> None:
+    w = World(num_pages, host_pages, write_through)
     for op in plan:
         if op[0] == "start":
             _, base, length, cache = op
