@@ -143,4 +143,6 @@ def own_server_argv(args: argparse.Namespace) -> list[str]:
     max_requests = args.workers * args.max_running + 16
     sizes = f"--page-size {ps} --num-pages {num_pages} --max-requests {max_requests} --max-context {max_context}"
     tier = ["--host-memory", args.host_memory] if getattr(args, "host_memory", None) else []
+    if tier and getattr(args, "host_write_policy", "write-back") != "write-back":
+        tier += ["--host-write-policy", args.host_write_policy]
     return ["serve", "--device", args.device, *sizes.split(), *tier, "--log-level", "warning"]

@@ -134,6 +134,13 @@ def add_parser(sub: Any, name: str = "simulate") -> None:
         help="when simulate starts its own server: give it a host-memory tier of this size (kvmem serve "
         "--host-memory: evicted prefixes are kept in host memory and loaded back on a match; default: none)",
     )
+    server.add_argument(
+        "--host-write-policy",
+        choices=["write-back", "write-through"],
+        default="write-back",
+        help="with --host-memory, for the server simulate starts: when cached pages are copied to the host tier "
+        "(kvmem serve --host-write-policy; default: write-back)",
+    )
 
     work = p.add_argument_group("the workload (per worker; the same seed and options give the same requests)")
     work.add_argument(
