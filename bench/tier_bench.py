@@ -3,14 +3,15 @@
 multi-turn workload, what its copies and its bookkeeping cost. Ratios within one run.
 
 1. prefill  -- ``kvmem simulate --workload multi-turn`` (one worker, so the run is the
-               same every time: the digest is checked equal across the three), three
-               servers: a device pool that holds the conversations running at once, at
-               most a quarter of the working set (no tier); the same pool with a host tier
-               that holds the working set, write-back and write-through (the policies'
-               copies and Step time are reported); a pool that holds everything (the ideal). Keys: ``prefill_tokens_vs_no_tier``
-               (tier / no tier, target <= 0.25) and ``prefill_tokens_vs_ideal`` (tier /
-               ideal, <= 1.1). Prefill tokens are every token computed that is not a
-               decode (recomputation after a preemption included).
+               same every time: the digest is checked equal across the runs), four
+               servers: a device pool that holds the conversations running at once, a
+               sixth (a fifth with --quick) of the working set (no tier); the same pool
+               with a host tier that holds the working set, write-back and write-through
+               (the policies' copies and Step time are reported); a pool that holds
+               everything (the ideal). Keys: ``prefill_tokens_vs_no_tier`` (tier / no
+               tier, target <= 0.25) and ``prefill_tokens_vs_ideal`` (tier / ideal, <=
+               1.1). Prefill tokens are every token computed that is not a decode
+               (recomputation after a preemption included).
 2. ttft     -- ``kvmem generate --workload multi-turn`` with the bundled SmolLM2-135M (one
                worker, a pool that holds the running conversations but not all of them),
                with and without a host tier: the median time to first token of the turns
@@ -90,16 +91,17 @@ def kvmem(*argv: str, timeout: float = 900) -> dict[str, Any]:
 
 
 def part_prefill(quick: bool) -> dict[str, Any]:
-    requests = 96 if quick else 160
+    requests = 128 if quick else 160
     turns = 4
     # A conversation: a system prompt of ~256 tokens, 4 turns of ~64 + ~32: ~640 tokens, 40 pages.
-    # Working set: requests / 4 users x ~40 pages. The small pool holds the 4 conversations
-    # running at once at their longest (4 x 48 pages) and little more: the histories of the
-    # others leave it between their turns (the issue's shape); it is at most a quarter of
-    # the working set.
+    # Working set: requests / 4 users x ~40 pages (1,648 pages; 1,328 with --quick). The small
+    # pool holds the 4 conversations running at once and a little more: the histories of the
+    # others leave it between their turns (the issue's shape).
     users = requests // turns
     working = users * 40 + 2 * 24
-    small = min(4 * 48 + 32, working // 4)
+    # simulate caps a request at a quarter of the pool's tokens (and the context, 1,152 here):
+    # 289 pages is the least that draws the same workload as the ideal's pool.
+    small = 289
     work = [
         "simulate", "--workload", "multi-turn", "--turns", str(turns), "--workers", "1", "--requests", str(requests),
         "--prompt-len", "64", "--output-len", "32", "--system-prompts", "2", "--system-prompt-len", "256",
