@@ -120,7 +120,7 @@ def test_tier_a_match_continues_from_the_device_onto_the_host() -> None:
     holder = p.run("b", prompt[:8], release=False)  # shares pages 0-1 (a match would) by caching them
     p.core.step(p.owner, StepBatch.of(release_slots=[holder], release_tokens=[prompt[:8]]))
     # Evict pages 2-3 of the chain (its end goes first), keep 0-1 on the device.
-    slot, matched = p.match("m", prompt[:8])
+    _, matched = p.match("m", prompt[:8])
     assert matched == 8
     filler = p.run("f", tokens(24, 900), release=False)  # 6 pages: 7 usable left, 2 held by m
     st = p.core.stats()
@@ -231,3 +231,29 @@ def test_tier_cannot_be_used_with_a_kept_image_or_without_the_prefix_cache() -> 
     cfg = CoreConfig(num_pages=9, page_size=PS, max_requests=8, max_context_len=32)
     with pytest.raises(ValueError, match="prefix cache off"):
         KVCore(cfg, prefix_cache=False, host_tier=p.tier)
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        KVGeometry("mha", num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=PS),
+        KVGeometry("mla", num_layers=3, kv_lora_rank=8, rope_dim=4, dtype="float16", page_size=PS),
+    ],
+    ids=["mha", "mla"],
+)
+def test_tier_pages_go_to_the_host_and_back_whole_in_either_format(geometry: KVGeometry) -> None:
+    """A page is every layer's slice of the pool (K and V for mha, the latent for mla):
+    what goes to the host comes back byte for byte into another page, and nothing else
+    of the pool changes."""
+    num_pages = 6
+    spec = PoolSpec(geometry, num_pages, 4, 8)
+    pool = np.random.default_rng(3).integers(0, 255, spec.kv_bytes, dtype=np.uint8)
+    mover = HostPages([pool], geometry, num_pages, 3)
+    before = pool.copy()
+    mover.to_host(np.array([2, 4]), np.array([1, 0]))
+    mover.to_device(np.array([1, 0]), np.array([5, 3]))  # page 2's bytes into page 5, page 4's into 3
+    view = pool.reshape(planes_of(geometry), num_pages, -1)
+    was = before.reshape(planes_of(geometry), num_pages, -1)
+    assert np.array_equal(view[:, 5], was[:, 2]) and np.array_equal(view[:, 3], was[:, 4])
+    untouched = [0, 1, 2, 4]
+    assert np.array_equal(view[:, untouched], was[:, untouched])
