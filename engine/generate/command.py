@@ -48,6 +48,8 @@ examples:
   kvmem generate                               # the bundled SmolLM2-135M-Instruct, 2 workers
   kvmem generate --print-serve-flags           # the kvmem serve flags of its pool
   kvmem generate --model ./my-llama --workers 4 --prompts chats.jsonl --json
+  kvmem generate --socket /tmp/none.sock --workload multi-turn --num-pages 48 --max-running 2 --host-memory 256MiB
+                                               # later turns load their history from the host-memory tier
 """
 
 PAGE_SIZE = 16

@@ -72,6 +72,8 @@ examples:
   kvmem simulate --workers 8 --duration 30 --json > run.json
   kvmem simulate --api client       # the batched client instead of the drop-in
   kvmem simulate --baseline --plot pool.png   # beside the reference allocator; pip install 'kvmem[plot]'
+  kvmem simulate --socket /tmp/none.sock --workload multi-turn --num-pages 700 --host-memory 64MiB
+                                    # chat histories kept in the host-memory tier of the server it starts
 """
 
 
