@@ -125,11 +125,11 @@ def add_parser(sub: Any, name: str = "serve") -> None:
     option(
         pool,
         "--host-min-load-tokens",
-        16,
+        1,
         "with --host-memory: a match's continuation on the host tier shorter than this is not loaded (its "
         "tokens are computed instead). Copying a page beat computing its tokens at every length measured "
-        "(SmolLM2-135M in fp32 on a CPU: a 720 KiB page in ~0.1 ms, its 16 tokens' prefill ~200 ms; "
-        "bench/tier_bench.py), so the default loads any whole page",
+        "(SmolLM2-135M in fp32 on a CPU: a 720 KiB page in ~0.1 ms, its 16 tokens' prefill 140-200 ms; "
+        "bench/tier_bench.py), so the default, 1, loads any whole page",
         integer(1),
     )
     option(

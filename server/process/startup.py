@@ -74,7 +74,7 @@ class ServerConfig:
     num_pages: int = 4096
     memory: str | None = None  # a budget ("40GiB") that sets num_pages instead
     host_memory: str | None = None  # the host tier's size per rank ("16GiB"); None: no host tier
-    host_min_load_tokens: int = 16  # a load from the host tier shorter than this is computed instead
+    host_min_load_tokens: int = 1  # a load from the host tier shorter than this is computed (1: any page)
     host_write_policy: str = "write-back"  # or "write-through": when cached pages are copied to the host tier
     max_requests: int = 256
     max_context_len: int = 8192

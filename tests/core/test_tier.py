@@ -194,7 +194,7 @@ def test_tier_two_matches_of_one_step_load_a_page_once() -> None:
 
 
 def test_tier_a_load_shorter_than_the_minimum_is_computed_instead() -> None:
-    p = Pool(num_pages=9, min_load_pages=4)  # --host-min-load-tokens 16 with pages of 4
+    p = Pool(num_pages=9, min_load_pages=4)  # --host-min-load-tokens 13-16 with pages of 4
     prompt = tokens(12, 100)  # 3 pages: shorter than the minimum
     p.run("a", prompt)
     big = p.run("b", tokens(32, 500), release=False)
