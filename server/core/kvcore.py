@@ -402,9 +402,12 @@ class KVCore:
         )
 
     def snapshot_events(self) -> list[CacheEvent]:
-        """``AllCleared`` then a ``PagesStored`` per cached page, parents first: what
-        a watcher that lost track resyncs from. O(cache size log); never on a step."""
-        return [AllCleared(), *self.cache.snapshot()]
+        """``AllCleared`` then a ``PagesStored`` per cached page, parents first: the
+        pool's (medium "GPU"), then the host tier's ("CPU"; a page on both tiers is
+        listed on each): what a watcher that lost track resyncs from. O(cache size
+        log); never on a step."""
+        host = [] if self.host_tier is None else self.host_tier.snapshot()
+        return [AllCleared(), *self.cache.snapshot(), *host]
 
     def audit(self) -> AuditReport:
         """Check every invariant (O(pool): see :func:`kvmem.server.core.audit.audit`)."""

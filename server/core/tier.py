@@ -272,6 +272,22 @@ class HostTier:
         self.hit_tokens += len(host_pages) * self.page_size
         self.unpin(host_pages)
 
+    def snapshot(self) -> list[CacheEvent]:
+        """A ``PagesStored`` (medium "CPU") per cached host page, parents before
+        children. O(pages log pages): for a watcher's resync only."""
+        pages = sorted(self.index.values(), key=lambda p: int(self.depth[p]))
+        return [
+            PagesStored(
+                [self.key[p]],
+                None if self.depth[p] == 0 else self.parent[p],
+                self.tokens[p],
+                self.page_size,
+                self.namespace[p],
+                HOST,
+            )
+            for p in pages
+        ]
+
     # ------------------------------------------------------------ audit
 
     def audit(self, device_index: dict[bytes, int], roots: set[bytes]) -> list[str]:

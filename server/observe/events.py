@@ -232,19 +232,21 @@ def _snapshot_chunks(events: list[CacheEvent], max_pages: int) -> Iterator[list[
     back into runs (a page extends the run that ends with its parent, while no other
     child of that parent has), so a chain of n pages is one event, not n, and runs are
     sent in the order they start, which keeps parents first. A run longer than a batch
-    is split (each piece's parent is the previous piece's last key). O(pages)."""
+    is split (each piece's parent is the previous piece's last key). Runs are per tier
+    (``medium``): a page on the host tier never extends a run of the pool. O(pages)."""
     runs: list[CacheEvent | list[PagesStored]] = []
-    ends: dict[tuple[bytes, str, int], list[PagesStored]] = {}  # (last key, namespace, page size) -> run
+    ends: dict[tuple[bytes, str, int, str], list[PagesStored]] = {}  # (last key, namespace, page size, medium) -> run
     for event in events:
         if not isinstance(event, PagesStored) or not event.keys:
             runs.append(event)
             continue
-        run = None if event.parent_key is None else ends.pop((event.parent_key, event.namespace, event.page_size), None)
+        parent = event.parent_key
+        run = None if parent is None else ends.pop((parent, event.namespace, event.page_size, event.medium), None)
         if run is None:
             run = []
             runs.append(run)
         run.append(event)
-        ends[event.keys[-1], event.namespace, event.page_size] = run
+        ends[event.keys[-1], event.namespace, event.page_size, event.medium] = run
     chunk: list[kvmem_pb2.KVEvent] = []
     room = max_pages
     for item in runs:
@@ -252,7 +254,7 @@ def _snapshot_chunks(events: list[CacheEvent], max_pages: int) -> Iterator[list[
             chunk.append(_to_proto(item))
             continue
         first = item[0]
-        ps, namespace, parent = first.page_size, first.namespace, first.parent_key
+        ps, namespace, parent, medium = first.page_size, first.namespace, first.parent_key, first.medium
         keys = [key for event in item for key in event.keys]
         tokens = item[0].token_ids if len(item) == 1 else np.concatenate([event.token_ids for event in item])
         done = 0
@@ -262,7 +264,7 @@ def _snapshot_chunks(events: list[CacheEvent], max_pages: int) -> Iterator[list[
                 chunk, room = [], max_pages
             take = min(room, len(keys) - done)
             piece = keys[done : done + take]
-            chunk.append(_stored_proto(piece, parent, tokens[done * ps : (done + take) * ps], ps, namespace))
+            chunk.append(_stored_proto(piece, parent, tokens[done * ps : (done + take) * ps], ps, namespace, medium))
             parent = piece[-1]
             done += take
             room -= take

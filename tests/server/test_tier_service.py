@@ -148,6 +148,19 @@ def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_
     assert seen.index(("stored", "CPU", 1)) < seen.index(("removed", "GPU", 3))
     assert prompt[-1] == ("stored", "GPU", 3)  # the load
 
+    # A watcher that lost track resyncs from a snapshot of both tiers: the prompt's chain
+    # in the pool and, as a run of its own, on the host.
+    with watch_events(server.target, from_seq=1, epoch="an-earlier-run") as resync:
+        snapshot: list[tuple[str, int]] = []
+        for batch in resync:
+            assert batch.snapshot
+            snapshot += [
+                (e.stored.medium, len(e.stored.keys)) for e in batch.events if e.WhichOneof("event") == "stored"
+            ]
+            if batch.snapshot_done:
+                break
+    assert sorted(snapshot) == [("CPU", 3), ("GPU", 3)], snapshot
+
 
 @pytest.mark.parametrize(
     ("extra", "words"),
