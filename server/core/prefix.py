@@ -141,28 +141,24 @@ class PrefixCache:
             self.cached[where] = True
             if self._image is not None:  # into the image at the call's end (flush_image)
                 self._pending.append((where, cols, keys, parent, tokens, namespace))
-            if self.tier is not None and self.tier.write_through:
-                self._write_through(where, cols, keys, parent, tokens, namespace)
+            if self.tier is not None and self.tier.write_through:  # chain end first, as an eviction hands them
+                self._to_tier(where[::-1])
         return out
 
-    def _write_through(
-        self, where: np.ndarray, cols: np.ndarray, keys: list[bytes], parent: bytes, tokens: np.ndarray, ns: str
-    ) -> None:
-        """``--host-write-policy write-through``: pages just cached go to the host tier at
-        once, handed over chain end first as an eviction would (the tier keeps a page
-        only with its parent). O(pages) and their copies."""
+    def _to_tier(self, pages: np.ndarray) -> None:
+        """Cached ``pages`` (their facts still here), chain ends first, to the host tier:
+        write-back as they are evicted, write-through as they are cached. O(pages) and
+        the copies of those the host lacks."""
         assert self.tier is not None
-        ps = self.page_size
-        order = cols[::-1].tolist()
         self.tier.demote(
-            where[::-1],
-            [keys[c] for c in order],
-            [keys[c - 1] if c else parent for c in order],
-            [ns] * len(order),
-            [tokens[c * ps : (c + 1) * ps].copy() for c in order],
-            self.depth[where[::-1]],
+            pages,
+            self.key.take(pages).tolist(),
+            self.parent.take(pages).tolist(),
+            self.namespace.take(pages).tolist(),
+            self.tokens.take(pages).tolist(),
+            self.depth.take(pages),
         )
-        self.events += self.tier.take_events()
+        self.events += self.tier.take_events()  # before a removal from the device that follows
 
     def flush_image(self) -> None:
         """Write the facts of the pages this call cached into the image, then their
@@ -244,15 +240,7 @@ class PrefixCache:
         self.num_evictions += n
         keys = self.key.take(pages).tolist()
         if self.tier is not None:  # write-back: their K/V to the host before the pages are reused
-            self.tier.demote(
-                pages,
-                keys,
-                self.parent.take(pages).tolist(),
-                self.namespace.take(pages).tolist(),
-                self.tokens.take(pages).tolist(),
-                self.depth.take(pages),
-            )
-            self.events += self.tier.take_events()  # the host's before the device's removal
+            self._to_tier(pages)
         deque(map(self.index.__delitem__, keys), maxlen=0)
         self.cached.put(pages, False)  # put: a third of a fancy assignment's fixed cost
         if self._image is not None:  # before an alloc hands the pages out

@@ -13,7 +13,7 @@ the cache's size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import itertools
 
 import numpy as np
 
@@ -282,9 +282,9 @@ def match(
             runs.append(run)
             lens[i] = m * ps
         if missed is not None and tier is not None and missed in tier.index:
-            more = [missed, *_more(keys, tier.index)]
+            more, host = tier.run(itertools.chain((missed,), keys))
             if len(more) >= tier.min_load_pages:  # else computing them beats copying them
-                loads.append(_Load(i, slot, m, tier.run(more), more, last))
+                loads.append(_Load(i, slot, m, host, more, last))
                 m += len(more)
         if quota_left is not None:
             quota_left -= m
@@ -308,17 +308,6 @@ class _Load:
     host: list[int]
     keys: list[bytes]
     parent: bytes  # the key before the first one: the root, or the run's last device page's
-
-
-def _more(keys: Iterator[bytes], index: dict[bytes, int]) -> list[bytes]:
-    """The keys that follow while the host tier has them (the first one it lacks is
-    the end: nothing past it can be matched)."""
-    out: list[bytes] = []
-    for key in keys:
-        if key not in index:
-            break
-        out.append(key)
-    return out
 
 
 def _load(

@@ -41,6 +41,7 @@ tier's size but :meth:`HostTier.audit`.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
@@ -235,16 +236,19 @@ class HostTier:
 
     # ------------------------------------------------------------ loads
 
-    def run(self, keys: list[bytes]) -> list[int]:
-        """The host pages of the longest prefix of ``keys`` this tier holds. O(run)."""
-        out: list[int] = []
+    def run(self, keys: Iterable[bytes]) -> tuple[list[bytes], list[int]]:
+        """The longest prefix of ``keys`` this tier holds, and its host pages (``keys``
+        is read no further than the first key it lacks). O(run)."""
+        found: list[bytes] = []
+        pages: list[int] = []
         get = self.index.get
         for key in keys:
             page = get(key)
             if page is None:
                 break
-            out.append(page)
-        return out
+            found.append(key)
+            pages.append(page)
+        return found, pages
 
     def pin(self, pages: list[int]) -> None:
         """Keep ``pages`` from eviction until :meth:`load` or :meth:`unpin` (a load's
