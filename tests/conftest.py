@@ -153,6 +153,21 @@ def short_tmpdir() -> str:
     return tempfile.mkdtemp(prefix="kvmem-", dir="/tmp")
 
 
+def refused_at_start(*extra: str) -> subprocess.CompletedProcess[str]:
+    """``kvmem serve`` with ``extra`` options that it must refuse at start: the run, after
+    checking it exited non-zero and left no socket behind (nothing was created)."""
+    directory = short_tmpdir()
+    socket_path = os.path.join(directory, "s")
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmem.cli", "serve", "--socket", socket_path, *extra],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert not os.path.exists(socket_path), "refused after creating its socket"
+    shutil.rmtree(directory, ignore_errors=True)
+    return run
+
+
 def start_server(
     directory: str, *extra: str, socket_name: str = "kvmem.sock", env: dict[str, str] | None = None,
     wait: bool = True, launcher: tuple[str, ...] = ("-m", "kvmem.cli"),

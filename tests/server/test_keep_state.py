@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import short_tmpdir, start_server
+from conftest import refused_at_start, short_tmpdir, start_server
 
 from kvmem.client import KVMemClient
 from kvmem.server.memory import PoolSpec
@@ -170,12 +170,8 @@ def test_a_state_a_running_server_holds_is_never_adopted() -> None:
     ],
 )
 def test_keep_state_options_that_cannot_work_are_refused(extra: tuple[str, ...], words: str) -> None:
-    directory = short_tmpdir()
-    run = subprocess.run(
-        [sys.executable, "-m", "kvmem.cli", "serve", "--socket", os.path.join(directory, "s"), *extra],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert run.returncode != 0 and words in run.stderr, run.stderr
+    run = refused_at_start(*extra)
+    assert words in run.stderr, run.stderr
 
 
 def test_a_server_that_keeps_no_state_says_so() -> None:

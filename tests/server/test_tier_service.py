@@ -11,7 +11,6 @@ line that says why."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from conftest import ServerProcess, short_tmpdir, start_server
+from conftest import ServerProcess, refused_at_start, short_tmpdir, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmem.client import KVMemClient, watch_events
@@ -174,10 +173,5 @@ def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_
     ],
 )
 def test_tier_options_that_cannot_work_are_refused_at_start(extra: tuple[str, ...], words: str) -> None:
-    directory = short_tmpdir()
-    run = subprocess.run(
-        [sys.executable, "-m", "kvmem.cli", "serve", "--socket", os.path.join(directory, "s"), *extra],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert run.returncode != 0 and words in run.stderr, run.stderr
-    assert not os.path.exists(os.path.join(directory, "s"))  # refused before anything was created
+    run = refused_at_start(*extra)
+    assert words in run.stderr, run.stderr
