@@ -208,13 +208,15 @@ def part_copy(quick: bool) -> dict[str, Any]:
         host = rng.choice(pages, n, replace=False)
         t0 = time.perf_counter()
         mover.to_host(dev, host)
-        mover.to_device(host, dev)
+        mover.start_load(host, dev, None)  # the copy thread's, layer by layer
+        mover.wait_idle()
         t1 = time.perf_counter()
         np.copyto(dst, src)
         np.copyto(src, dst)
         t2 = time.perf_counter()
         tier_s.append(t1 - t0)
         plain_s.append(t2 - t1)
+    mover.close()
     t, p = statistics.median(tier_s), statistics.median(plain_s)
     say(
         f"  {n} pages of {geometry.page_bytes / 1024:.0f} KiB each way: tier {1000 * t:.1f} ms "
@@ -290,7 +292,53 @@ def part_step(quick: bool) -> dict[str, Any]:
     ratio = paired_ratio(a, b)
     say(f"  decode Step, 256 requests: tier idle / off = {ratio:.3f}x (medians {np.median(a.times_us):.1f} / "
         f"{np.median(b.times_us):.1f} µs)")  # fmt: skip
-    return {"decode_step_tier_idle_vs_off": ratio}
+    out: dict[str, Any] = {"decode_step_tier_idle_vs_off": ratio}
+    out.update(_load_step(3 if quick else 9))
+    return out
+
+
+def _load_step(reps: int) -> dict[str, Any]:
+    """A Step whose match loads 64 SmolLM2-sized pages (720 KiB each) from the host tier:
+    how long the Step takes to answer (the copy is the copy thread's, after it) against
+    the Step and its copy together (what a Step that copied in place would take)."""
+    from kvmem.server.core import CoreConfig, KVCore, StepBatch
+    from kvmem.server.core.tier import HostTier
+    from kvmem.server.memory.geometry import KVGeometry, PoolSpec
+    from kvmem.server.memory.host import HostPages
+
+    ps, n, num_pages = 16, 64, 80
+    geometry = KVGeometry("mha", num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", page_size=ps)
+    raw = np.zeros(PoolSpec(geometry, num_pages, 8, 1024).kv_bytes, dtype=np.uint8)
+    step_s, whole_s = [], []
+    for rep in range(reps):
+        mover = HostPages([raw], geometry, num_pages, 128)
+        tier = HostTier(128, ps, mover)
+        c = KVCore(CoreConfig(num_pages, ps, 8, 1264), host_tier=tier, page_bytes=geometry.page_bytes)
+        o = c.add_owner()
+        prompt = np.arange(n * ps, dtype=np.int32) + 1000 * rep
+        (a,) = c.open(o, ["a"]).tolist()
+        c.step(o, StepBatch.of(alloc_slots=[a], alloc_needs=[n * ps]))
+        c.step(o, StepBatch.of(release_slots=[a], release_tokens=[prompt]))
+        (f,) = c.open(o, ["fill"]).tolist()
+        c.step(o, StepBatch.of(alloc_slots=[f], alloc_needs=[(num_pages - 1) * ps]))  # the prompt's pages to the host
+        c.step(o, StepBatch.of(release_slots=[f]))
+        (m,) = c.open(o, ["m"]).tolist()
+        t0 = time.perf_counter()
+        r = c.step(o, StepBatch.of(match=[(m, prompt)]))
+        t1 = time.perf_counter()
+        mover.wait_idle()
+        t2 = time.perf_counter()
+        assert int(r.match_lens[0]) == n * ps, r.match_lens
+        step_s.append(t1 - t0)
+        whole_s.append(t2 - t0)
+        mover.close()
+    st, wh = statistics.median(step_s), statistics.median(whole_s)
+    say(
+        f"  a Step loading {n} pages of {geometry.page_bytes // 1024} KiB from the host tier answers in "
+        f"{1000 * st:.2f} ms; its copy ends {1000 * (wh - st):.1f} ms later, on the copy thread "
+        f"({st / wh:.3f}x of Step + copy)"
+    )
+    return {"load_step_ms": 1000 * st, "load_step_and_copy_ms": 1000 * wh, "load_step_vs_step_and_copy": st / wh}
 
 
 # ---------------------------------------------------------------- main

@@ -20,6 +20,7 @@ from kvmem.v1 import kvmem_pb2
 
 from .channel import PemSource, transport
 from .errors import KVMemError, SessionLost
+from .loads import PageLoads
 from .memory import KVLayer, MappedMemory
 from .resume import Resumed
 from .session import Call, Session, checked_timeout
@@ -73,6 +74,7 @@ class ClientBase:
     """The server's address as the channel takes it: ``unix:/path`` or ``HOST:PORT``."""
 
     _mapped: MappedMemory | None = None
+    _page_loads: PageLoads | None = None
 
     def __init__(
         self,
@@ -210,6 +212,29 @@ class ClientBase:
         current when a Step response arrives."""
         return self.memory.block_table
 
+    @property
+    def page_loads(self) -> PageLoads | None:
+        """The server's load counters (``kvmem serve --host-memory``; None without a
+        host tier): what a reader of pages a match is still loading waits on, in this
+        process's memory, with no call (:mod:`kvmem.client.loads`)."""
+        if self._page_loads is None:
+            self._page_loads = self.memory.page_loads()
+        return self._page_loads
+
+    def wait_loads(
+        self, slot: int, match_len: int, loading: int, *, layer: int | None = None, timeout: float = 60.0
+    ) -> float:
+        """Wait until the last ``loading`` tokens of a match of ``match_len`` tokens in
+        request ``slot`` (``StepResult.match_lens`` and ``match_loading`` of its match
+        item) are copied in from the host tier: layer ``layer`` of them, or every layer
+        (None). Returns the seconds waited (0.0 at once when nothing is loading, or no
+        host tier). No round trip: the counters are in memory this process maps.
+        :class:`~kvmem.client.loads.LoadTimeout` after ``timeout`` seconds."""
+        loads = self.page_loads
+        if loads is None or loading <= 0:
+            return 0.0
+        return loads.wait(loads.pages_of(self.block_table[slot], match_len, loading), layer, timeout)
+
     def _views_stale(self, lost: SessionLost) -> None:
         """The server is gone or replaced: drop this client's mappings and tell the
         application (``on_views_stale``), which must drop the views it took."""
@@ -218,6 +243,7 @@ class ClientBase:
             self._on_views_stale(lost)
 
     def _unmap(self) -> None:
+        self._page_loads = None
         mapped, self._mapped = self._mapped, None
         if mapped is not None:
             mapped.close()

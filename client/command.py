@@ -269,10 +269,16 @@ def _host_line(s: Any) -> list[str]:
         return []
     h = s.host_tier
     moved = (h.num_demoted + h.num_loaded) * h.page_bytes
+    loads = (
+        f"   loads: p50 {h.load_ms_p50:.2f} ms, p99 {h.load_ms_p99:.2f} ms, {h.load_gib_per_s:.1f} GiB/s"
+        if h.num_loaded
+        else ""
+    )
     return [
-        f"host tier {h.num_pages} pages   cached {h.num_cached_pages}   free {h.num_free_pages}   since start: "
-        f"demoted {h.num_demoted}, loaded {h.num_loaded} ({h.hit_tokens} tokens matched from it), evicted "
-        f"{h.num_evicted}, dropped {h.num_dropped}; {moved / 2**20:.1f} MiB moved"
+        f"host tier {h.num_pages} pages   cached {h.num_cached_pages}   free {h.num_free_pages}   in copy "
+        f"{h.num_loading_pages}   since start: demoted {h.num_demoted}, loaded {h.num_loaded} ({h.hit_tokens} "
+        f"tokens matched from it), evicted {h.num_evicted}, dropped {h.num_dropped}; {moved / 2**20:.1f} MiB "
+        f"moved{loads}"
     ]
 
 

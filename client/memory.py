@@ -32,6 +32,8 @@ import torch
 
 from kvmem.v1 import kvmem_pb2
 
+from .loads import PageLoads
+
 __all__ = ["KVLayer", "MappedMemory", "MemoryMapError"]
 
 KVLayer = tuple[torch.Tensor, torch.Tensor] | torch.Tensor
@@ -75,11 +77,12 @@ def _local_cuda_device(uuid: str) -> int:
 
 
 def _map_shm(handle: kvmem_pb2.MemoryHandle, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """One ``mmap`` of the whole file, viewed as ``shape``. O(1). The block table is
-    mapped read-only: it is the server's own state, and a client writing to it would
-    corrupt every session's requests (such a write faults in the client instead)."""
+    """One ``mmap`` of the whole file, viewed as ``shape`` from ``offset_bytes``. O(1).
+    The block table (and the load counters after it) is mapped read-only: it is the
+    server's own state, and a client writing to it would corrupt every session's
+    requests (such a write faults in the client instead)."""
     path = handle.shm.path
-    writable = handle.name != "block_table"
+    writable = handle.name == "kv"  # the block table and the load counters are the server's to write
     try:
         fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -92,10 +95,14 @@ def _map_shm(handle: kvmem_pb2.MemoryHandle, dtype: torch.dtype, shape: tuple[in
             f"shared-memory file {path!r} ({handle.name}) is private to the server's user (mode 0600) "
             f"and this process runs as uid {os.getuid()}"
         ) from None
+    end = handle.offset_bytes + handle.size_bytes  # the load counters follow the table in its file
     try:
         size = os.fstat(fd).st_size
-        if size != handle.size_bytes:
-            raise MemoryMapError(f"shared-memory file {path!r} has {size} bytes, the handle says {handle.size_bytes}")
+        if size < end or (handle.name == "kv" and size != end):
+            raise MemoryMapError(
+                f"shared-memory file {path!r} has {size} bytes, the handle says {handle.size_bytes} from byte "
+                f"{handle.offset_bytes}"
+            )
         # Never closed explicitly: a tensor over it keeps it alive, and it is unmapped
         # when the last view is gone (closing under a live view would leave it dangling).
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
@@ -104,7 +111,10 @@ def _map_shm(handle: kvmem_pb2.MemoryHandle, dtype: torch.dtype, shape: tuple[in
         os.close(fd)
     with warnings.catch_warnings():  # read-only by design for the block table (see above)
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+        raw = torch.frombuffer(buf, dtype=torch.uint8)
+        if handle.offset_bytes or end != size:
+            raw = raw[handle.offset_bytes : end]
+        return raw.view(dtype).view(shape)
 
 
 def _map_cuda(handle: kvmem_pb2.MemoryHandle, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -140,6 +150,7 @@ class _Maps(NamedTuple):
     kv: list[torch.Tensor]  # per rank
     block_tables: list[torch.Tensor]  # shm: one; cuda: per rank
     views: list[list[KVLayer]]  # per rank, per layer
+    load_counters: torch.Tensor | None  # int32 [num_pages] (kvmem serve --host-memory), else None
 
 
 class MappedMemory:
@@ -155,17 +166,21 @@ class MappedMemory:
         backend: str,
         kv: list[torch.Tensor],
         block_tables: list[torch.Tensor],
+        load_counters: torch.Tensor | None = None,
     ) -> None:
         self.geometry = geometry
         self.backend = backend
-        self._maps: _Maps | None = _Maps(kv, block_tables, [_layers(t, geometry.layout.format) for t in kv])
+        views = [_layers(t, geometry.layout.format) for t in kv]
+        self._maps: _Maps | None = _Maps(kv, block_tables, views, load_counters)
 
     @classmethod
     def open(cls, handles: Sequence[kvmem_pb2.MemoryHandle], geometry: kvmem_pb2.PoolGeometry) -> MappedMemory:
         """Map every handle once, after checking it against ``geometry``.
 
         Expects, per rank ``0..n-1``, one ``"kv"`` handle and a ``"block_table"`` handle
-        (shm: one table, rank 0; cuda: one device copy per rank), all of one kind.
+        (shm: one table, rank 0; cuda: one device copy per rank), all of one kind; and
+        with a host tier one ``"load_counters"`` handle (shm, rank 0: in the block-table
+        file, after the table).
         Raises :class:`MemoryMapError` naming the handle and what disagrees.
         Cost: one map per allocation plus O(layers) views; nothing per page.
         """
@@ -187,7 +202,7 @@ class MappedMemory:
         (kind,) = kinds
         by_key: dict[tuple[str, int], kvmem_pb2.MemoryHandle] = {}
         for h in handles:
-            if h.name not in ("kv", "block_table"):
+            if h.name not in ("kv", "block_table", "load_counters"):
                 raise MemoryMapError(f"unknown memory handle name {h.name!r}")
             if (h.name, h.rank) in by_key:
                 raise MemoryMapError(f"two {h.name!r} handles for rank {h.rank}")
@@ -195,6 +210,9 @@ class MappedMemory:
         num_ranks = sum(1 for name, _ in by_key if name == "kv")
         bt_ranks = num_ranks if kind == "cuda" else 1
         expected = {("kv", r) for r in range(num_ranks)} | {("block_table", r) for r in range(bt_ranks)}
+        has_counters = ("load_counters", 0) in by_key
+        if has_counters:
+            expected.add(("load_counters", 0))
         if num_ranks == 0 or set(by_key) != expected:
             raise MemoryMapError(
                 f"{kind} memory handles {sorted(by_key)} do not form ranks 0..{num_ranks - 1} "
@@ -219,7 +237,8 @@ class MappedMemory:
 
         kv = [map_one("kv", r, layout.dtype, kv_shape) for r in range(num_ranks)]
         tables = [map_one("block_table", r, "int32", bt_shape) for r in range(bt_ranks)]
-        return cls(geometry, kind, kv, tables)
+        counters = map_one("load_counters", 0, "int32", (geometry.num_pages,)) if has_counters else None
+        return cls(geometry, kind, kv, tables, counters)
 
     # ------------------------------------------------------------------ access
 
@@ -249,6 +268,21 @@ class MappedMemory:
         """int32 ``[max_requests + 1, max_pages_per_request]``. shm: the server's host table
         itself; cuda: rank 0's device copy (see :meth:`device_block_table`)."""
         return self._live().block_tables[0]
+
+    @property
+    def load_counters(self) -> torch.Tensor | None:
+        """int32 ``[num_pages]``: per page, the layers a load from the server's host tier
+        has copied in (``num_layers``: not loading); None when the server has no host
+        tier. Read-only. See :mod:`kvmem.client.loads`."""
+        return self._live().load_counters
+
+    def page_loads(self) -> PageLoads | None:
+        """A :class:`~kvmem.client.loads.PageLoads` over :attr:`load_counters` (None
+        without a host tier). O(1)."""
+        counters = self._live().load_counters
+        if counters is None:
+            return None
+        return PageLoads(counters, self.geometry.layout.num_layers, self.geometry.page_size)
 
     def device_block_table(self, rank: int = 0) -> torch.Tensor:
         """The block-table copy on ``rank``'s GPU (cuda only). The server updates it before

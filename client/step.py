@@ -188,6 +188,28 @@ class _BytesView:
         raise AttributeError(f"StepResult.{self.slot[1:]} is a view of the response: read-only")
 
 
+class _ZerosView(_BytesView):
+    """A :class:`_BytesView` whose field a server may leave empty where every value is
+    0: then zeros, one per item of the field ``like``."""
+
+    def __init__(self, field: str, dtype: torch.dtype, doc: str, like: str) -> None:
+        super().__init__(field, dtype, doc)
+        self.like = like
+
+    def __get__(self, obj: StepResult | None, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        tensor: torch.Tensor | None = getattr(obj, self.slot)
+        if tensor is None:
+            data: bytes = getattr(obj._resp, self.field)
+            if data:
+                tensor = torch.frombuffer(data, dtype=self.dtype)
+            else:
+                tensor = torch.zeros(len(getattr(obj._resp, self.like)) // 4, dtype=self.dtype)
+            setattr(obj, self.slot, tensor)
+        return tensor
+
+
 class StepResult:
     """A step's outcome. Per alloc item ``i``: ``status[i]`` (an :class:`AllocStatus`
     value), its token slots ``kv_loc[kv_loc_offsets[i]:kv_loc_offsets[i + 1]]`` and its new
@@ -203,6 +225,7 @@ class StepResult:
         "_kv_loc",
         "_kv_loc_offsets",
         "_match_lens",
+        "_match_loading",
         "_new_page_offsets",
         "_new_pages",
         "_resp",
@@ -217,6 +240,13 @@ class StepResult:
     match_lens = _BytesView(
         "match_lens", torch.int32, "int32 [m]: per match item, the tokens it matched (whole pages); its row holds them."
     )
+    match_loading = _ZerosView(
+        "match_loading",
+        torch.int32,
+        "int32 [m]: per match item, of its match_lens, the last tokens still being copied in from the server's "
+        "host tier when it answered (0 without one): wait for them (KVMemClient.wait_loads) before reading their K/V.",
+        "match_lens",
+    )
     cache_switched = _BytesView(
         "cache_switched",
         torch.int32,
@@ -230,7 +260,7 @@ class StepResult:
         self._resp = resp
         self._status = self._kv_loc = self._kv_loc_offsets = None
         self._new_pages = self._new_page_offsets = None
-        self._match_lens = self._cache_switched = None
+        self._match_lens = self._match_loading = self._cache_switched = None
         self._adopt_slots = self._adopt_lens = None
 
     @property
@@ -272,7 +302,7 @@ class StepResult:
     def array(self, name: str) -> np.ndarray:
         """Column ``name`` (a tensor attribute's name: ``"status"``, ``"kv_loc"``,
         ``"kv_loc_offsets"``, ``"new_pages"``, ``"new_page_offsets"``, ``"match_lens"``,
-        ``"cache_switched"``, ``"adopt_slots"``, ``"adopt_lens"``) as a read-only numpy
+        ``"match_loading"``, ``"cache_switched"``, ``"adopt_slots"``, ``"adopt_lens"``) as a read-only numpy
         view of the response's bytes: no copy and no tensor made. For a caller that only
         reads a column with numpy: about a sixth of the tensor's cost plus its
         ``.numpy()`` on a client whose caches are cold between steps (measured 6 against
@@ -281,7 +311,10 @@ class StepResult:
         if column is None:
             raise ValueError(f"StepResult has no column {name!r}: one of {', '.join(sorted(_COLUMNS))}")
         field, dtype = column
-        return np.frombuffer(getattr(self._resp, field), dtype=dtype)
+        data = getattr(self._resp, field)
+        if not data and field == "match_loading":  # a server without a host tier: none loading
+            return np.zeros(len(self._resp.match_lens) // 4, dtype=dtype)
+        return np.frombuffer(data, dtype=dtype)
 
     def kv_loc_of(self, i: int) -> torch.Tensor:
         """The token slots of alloc item ``i`` (a view; empty if it failed)."""

@@ -56,6 +56,9 @@ class Outcome:
     offsets: np.ndarray
     match_lens: np.ndarray
     tickets: list[str] = dataclasses.field(default_factory=list)
+    # Per match item, of its match_lens the last tokens still loading from the host tier;
+    # None: none (a backend without one).
+    match_loading: np.ndarray | None = None
 
 
 class Backend(Protocol):
@@ -69,6 +72,17 @@ class Backend(Protocol):
         ...
 
     def step(self, plan: Plan) -> Outcome: ...
+
+
+class Loading(Protocol):
+    """A backend whose matches may load from a host tier: the pages a match item waits
+    for, and the wait (:class:`kvmem.client.loads.PageLoads`)."""
+
+    def loading_pages(self, slot: int, match_len: int, loading: int) -> np.ndarray: ...
+
+    def ready(self, pages: np.ndarray) -> bool: ...
+
+    def wait(self, pages: np.ndarray, layer: int | None) -> float: ...
 
 
 class KVMemBackend:
@@ -112,4 +126,20 @@ class KVMemBackend:
         out = Outcome(col("status"), col("kv_loc"), col("kv_loc_offsets"), col("match_lens"))
         if len(plan.handoff_slots):
             out.tickets = r.tickets
+        if plan.match:
+            loading = col("match_loading")
+            if loading.any():
+                out.match_loading = loading
         return out
+
+    # Loading (the server's host tier): in this process's memory, no call.
+
+    def loading_pages(self, slot: int, match_len: int, loading: int) -> np.ndarray:
+        loads = self.kv.page_loads
+        return loads.pages_of(self.kv.block_table[slot], match_len, loading)
+
+    def ready(self, pages: np.ndarray) -> bool:
+        return bool(self.kv.page_loads.ready(pages))
+
+    def wait(self, pages: np.ndarray, layer: int | None) -> float:
+        return float(self.kv.page_loads.wait(pages, layer))

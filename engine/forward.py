@@ -18,7 +18,12 @@ included, packed ragged), as flat arrays, not per-token Python objects:
   the drafts the samples confirm);
 * ``released``, then ``admitted``: requests that left (released or preempted) and that
   joined (with a row) since the last forward, for a model that keeps state per request
-  (sampling parameters; the synthetic model's sequences).
+  (sampling parameters; the synthetic model's sequences);
+* ``wait`` (None: nothing to wait for): some K/V the batch reads is still being copied
+  in from the server's host tier (``kvmem serve --host-memory``); a model calls
+  ``wait(i)`` before it reads layer ``i`` of the cache (its attention hook does: layer
+  ``i`` waits only for layer ``i``'s copy, the layers before it computing meanwhile),
+  or ``wait(None)`` once for every layer. It returns the seconds waited.
 
 The loop calls :meth:`Model.forward` once per Step, with an empty batch too (an iteration
 of releases only, or all of whose allocs ran out of pages). A model that raises fails the
@@ -28,6 +33,7 @@ worker: the loop wraps it in :class:`ModelFailure`, which names the iteration an
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -59,6 +65,7 @@ class ForwardBatch:
     sample_offsets: np.ndarray  # [n + 1] into ForwardOutput.next_tokens
     admitted: list[Admission] = dataclasses.field(default_factory=list)
     released: list[str] = dataclasses.field(default_factory=list)
+    wait: Callable[[int | None], float] | None = None  # K/V still loading from the host tier
 
     @property
     def num_requests(self) -> int:

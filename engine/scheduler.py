@@ -87,6 +87,8 @@ class Figures:
     drafts_kept: int = 0
     mixed_forwards: int = 0
     max_forward_tokens: int = 0
+    loading_tokens: int = 0  # matched tokens still loading from the host tier at their Step's answer
+    load_wait_seconds: float = 0.0  # forwards' time waiting for them (per layer: what compute did not hide)
     first_token_s: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -217,6 +219,7 @@ class Scheduler:
         self._adopting: list[Request] = []  # taken from the inbox, adopted in the next Step
         self._taken = 0  # inbox items taken since the last Step
         self._opened: dict[str, int] = {}  # request id -> slot opened, not yet admitted (a Step failed)
+        self._loading: list[np.ndarray] = []  # pages matches are still loading from the host tier
         self._admitted: list[Admission] = []  # for the next forward: requests given a row...
         self._released: list[str] = []  # ...and released, since the last
         self._arrivals: Iterator[Request] | None = None
@@ -469,6 +472,8 @@ class Scheduler:
         unopened = []
         if NOT_OPENED in status:
             unopened = [item[0] for item, st in zip(steps.items, status, strict=True) if st == NOT_OPENED]
+        if out.match_loading is not None:
+            self._note_loading(steps.opened, out)
         for r, m in zip(steps.opened, out.match_lens.tolist(), strict=True):
             self.waiting.popleft()  # the admissions are the front of the queue, in order
             slot = self._opened.pop(r.rid)
@@ -532,7 +537,40 @@ class Scheduler:
         # The Step's token slots are those of its allocs that got some, in item order: the batch's.
         batch = builder.build(self._admitted, self._released, kv_loc is not None, kv_loc)
         self._admitted, self._released = [], []
+        if self._loading:
+            batch = self._with_wait(batch)
         return batch, computing, oom
+
+    def _note_loading(self, opened: list[Request], out: Outcome) -> None:
+        """Admissions whose match is still loading from the host tier: the pages their
+        first forward waits for (the backend reads them from the rows)."""
+        assert out.match_loading is not None
+        backend: Any = self.backend
+        ps = self.ps
+        for r, m, n in zip(opened, out.match_lens.tolist(), out.match_loading.tolist(), strict=True):
+            if n:
+                slot = self._opened[r.rid]
+                self._loading.append(backend.loading_pages(slot, m, n))
+                self.figures.loading_tokens += n
+                assert n % ps == 0
+
+    def _with_wait(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch with a ``wait`` for the loads still in copy (those done are
+        forgotten): the model waits per layer, while the layers before compute."""
+        backend: Any = self.backend
+        pending = [pages for pages in self._loading if not backend.ready(pages)]
+        self._loading = pending
+        if not pending:
+            return batch
+        pages = np.concatenate(pending) if len(pending) > 1 else pending[0]
+        f = self.figures
+
+        def wait(layer: int | None) -> float:
+            waited = backend.wait(pages, layer)
+            f.load_wait_seconds += waited
+            return waited
+
+        return dataclasses.replace(batch, wait=wait)
 
     @staticmethod
     def _decodes(decodes: list[Request], out: Outcome, builder: BatchBuilder, computing: list[_Computing]) -> int:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from kvmem.client.step import TokensLike
+from kvmem.client.step import StepResult, TokensLike
 
 from .results import Iteration, KVLocResult, PendingInt, Ticket
 
@@ -226,6 +226,8 @@ class Outbox:
     ``last``: the latest block that ended. ``num_steps`` / ``num_opens``: the Steps and
     Opens sent. ``book``: what the answers committed (changed only by its methods)."""
 
+    load_wait_s = 0.0  # seconds blocks waited for matched pages loading from the host tier
+
     def __init__(self, client: KVMemClient, book: Book, request_id_prefix: str) -> None:
         self.client = client
         self.book = book
@@ -409,7 +411,22 @@ class Outbox:
         if args:
             result = self.client.step(**args)
             self.num_steps += 1
-        return self.book.commit(batch, result, self._read_row)
+        due = self.book.commit(batch, result, self._read_row)
+        if result is not None and batch.matches:
+            self._wait_loads(batch, result)
+        return due
+
+    def _wait_loads(self, batch: Batch, result: StepResult) -> None:
+        """Matched pages still loading from the server's host tier: the block returns
+        once they are in (every layer), so what the scheduler reads after it is there.
+        In this process's memory, no round trip."""
+        loading = result.array("match_loading")
+        if not loading.any():
+            return
+        lens = result.array("match_lens")
+        for (r, _, _, _), m, n in zip(batch.matches, lens.tolist(), loading.tolist(), strict=True):
+            if n:
+                self.load_wait_s += self.client.wait_loads(r.slot, m, n)
 
     def _read_row(self, slot: int, num_pages: int) -> list[int]:
         row: list[int] = self.client.block_table[slot, :num_pages].tolist()

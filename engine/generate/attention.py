@@ -15,6 +15,9 @@ The batch is packed ragged: ``input_ids`` ``[1, T]`` holds every request's token
 this forward one after the other (prefill chunks and decodes alike), ``position_ids``
 each token's position in its own request. For each layer the function
 
+0. waits, when some of the K/V it reads is still being copied in from the server's host
+   tier, for that layer's copy only (``PagedBatch.wait``: the load counters, in memory
+   the process maps; the layers before it computed meanwhile);
 1. writes the forward's new K and V at their token slots ``kv_loc`` into that layer's
    mapped K/V tensors (index assignment into kvmem's memory: no copy of the cache);
 2. gathers each request's K/V through its block-table row, positions
@@ -44,7 +47,7 @@ into the query and output (the same gather and mask as here, one head-shared K).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +70,8 @@ class PagedBatch:
     q_valid: torch.Tensor  # bool [n, Q] a real query
     kv_index: torch.Tensor  # int64 [n, L] token slot of each request's positions (padding: its first)
     mask: torch.Tensor  # bool [n, 1, Q, L] key j visible to query q
+    # K/V still loading from the server's host tier: wait(i) returns once layer i is in.
+    wait: Callable[[int | None], float] | None = None
 
     @classmethod
     def build(
@@ -79,13 +84,15 @@ class PagedBatch:
         positions: torch.Tensor,
         kv_loc: torch.Tensor,
         seq_lens: torch.Tensor,
+        wait: Callable[[int | None], float] | None = None,
     ) -> PagedBatch:
         """The metadata of a packed batch: request ``i`` computes tokens
         ``offsets[i] : offsets[i + 1]`` at ``positions`` (its own, contiguous, ending at
         ``seq_lens[i] - 1``) and reads ``seq_lens[i]`` tokens through block-table row
         ``rows[i]``. Every tensor is int64 on the KV memory's device but
         ``block_table`` (int32, any device; or the drop-in's ``req_to_page``, by request
-        index). O(n * (Q + L)), vectorised."""
+        index). ``wait``: the forward's loads still in copy (see
+        :class:`kvmem.engine.forward.ForwardBatch`). O(n * (Q + L)), vectorised."""
         device = kv_cache[0][0].device
         rows, offsets, positions, kv_loc, seq_lens = (
             t.to(device=device, dtype=torch.int64) for t in (rows, offsets, positions, kv_loc, seq_lens)
@@ -114,7 +121,7 @@ class PagedBatch:
         kv_index = pages[:, k_pos // page_size] * page_size + k_pos % page_size
         kv_index = torch.where(k_pos[None, :] < seq_lens[:, None], kv_index, kv_index[:, :1])
         mask = (k_pos[None, None, :] <= query_positions[:, :, None]).unsqueeze(1)
-        return cls(kv_cache, kv_loc, q_index, q_valid, kv_index, mask)
+        return cls(kv_cache, kv_loc, q_index, q_valid, kv_index, mask, wait)
 
 
 def kvmem_attention(
@@ -146,6 +153,8 @@ def kvmem_attention(
     groups = int(module.num_key_value_groups)  # type: ignore[arg-type]
     if query.shape[1] != key.shape[1] * groups:
         raise ValueError(f"layer {layer}: {query.shape[1]} query heads != {key.shape[1]} KV heads x {groups} groups")
+    if kvmem.wait is not None:  # pages a match is loading from the host tier: this layer's copy first
+        kvmem.wait(layer)
     k_cache, v_cache = kvmem.kv_cache[layer]
     k_cache[kvmem.kv_loc] = key[0].transpose(0, 1).to(k_cache.dtype)  # [T, kv_heads, head_dim]
     v_cache[kvmem.kv_loc] = value[0].transpose(0, 1).to(v_cache.dtype)

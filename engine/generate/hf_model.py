@@ -129,11 +129,11 @@ class TransformersModel:
             return ForwardOutput(np.zeros(0, dtype=np.int32))
         if batch.kv_loc is None:
             raise ValueError(f"a transformers model needs KV memory: the batch ({batch.describe()}) has no kv_loc")
+        rows, offsets, positions, kv_loc, seq_lens = (
+            torch.from_numpy(a) for a in (batch.rows, batch.offsets, batch.positions, batch.kv_loc, batch.seq_lens)
+        )
         paged = PagedBatch.build(
-            self.kv_cache,
-            self.block_table,
-            self.page_size,
-            *(torch.from_numpy(a) for a in (batch.rows, batch.offsets, batch.positions, batch.kv_loc, batch.seq_lens)),
+            self.kv_cache, self.block_table, self.page_size, rows, offsets, positions, kv_loc, seq_lens, batch.wait
         )
         with torch.inference_mode():
             out = self.model(

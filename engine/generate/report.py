@@ -122,6 +122,11 @@ def report(
             "loaded": int(h.num_loaded),
             "hit_tokens": int(h.hit_tokens),
             "evicted": int(h.num_evicted),
+            # of the matched tokens, those still loading when their Step answered, and the
+            # forwards' time waiting for them (per layer: the copy the compute did not hide)
+            "loading_tokens": sum(int(w["figures"].get("loading_tokens", 0)) for w in workers),
+            "load_wait_ms": round(1e3 * sum(float(w["figures"].get("load_wait_seconds", 0.0)) for w in workers), 3),
+            "load_ms_p50": round(h.load_ms_p50, 3),
         }
     if args.json:
         json.dump(result, sys.stdout, indent=2)
@@ -156,7 +161,9 @@ def report(
             h = result["host_tier"]
             print(
                 f"host tier: {h['cached']} of {h['pages']} pages cached; demoted {h['demoted']}, loaded {h['loaded']} "
-                f"({h['hit_tokens']} prompt tokens matched from it, not prefilled again), evicted {h['evicted']}"
+                f"({h['hit_tokens']} prompt tokens matched from it, not prefilled again), evicted {h['evicted']}; "
+                f"{h['loading_tokens']} of them still loading at their Step's answer, forwards waited "
+                f"{h['load_wait_ms']:.1f} ms for them in all (a load's copy p50 {h['load_ms_p50']:.2f} ms)"
             )
         p = result["pool"]
         print(

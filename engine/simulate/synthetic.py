@@ -63,6 +63,8 @@ class SyntheticModel:
         self._seqs: dict[str, _Sequence] = {}
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if batch.wait is not None:  # a real model reads the K/V of every layer: all of it loaded
+            batch.wait(None)
         for request_id in batch.released:
             self._seqs.pop(request_id, None)
         pattern = self.memory.pattern if self.memory is not None else None

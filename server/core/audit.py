@@ -23,7 +23,10 @@ def audit(
     slots: RequestTable,
     quarantine: dict[int, list[np.ndarray]],
     cache: PrefixCache,
+    loading: np.ndarray | None = None,
 ) -> AuditReport:
+    """``loading``: the device pages of the host tier's loads in copy (one reference
+    each, the load's, besides the rows')."""
     problems: list[str] = []
     held = [a for arrays in quarantine.values() for a in arrays]
     in_quarantine = np.concatenate(held) if held else np.zeros(0, dtype=np.int32)
@@ -40,7 +43,7 @@ def audit(
             f"!= {config.num_pages - 1} pages"
         )
     have = table.num_pages_for(slots.alloced[: config.max_requests + 1])
-    _audit_table(config, pool, table, slots, have, problems)
+    _audit_table(config, pool, table, slots, have, loading, problems)
     _audit_owners(slots, have, problems)
     _audit_free_slots(config, slots, problems)
     return AuditReport(not problems, tuple(problems), pool.num_free, num_cached, num_used, num_q)
@@ -111,9 +114,16 @@ def _audit_pages(config: CoreConfig, pool: PagePool, in_quarantine: np.ndarray, 
 
 
 def _audit_table(
-    config: CoreConfig, pool: PagePool, table: BlockTable, slots: RequestTable, have: np.ndarray, problems: list[str]
+    config: CoreConfig,
+    pool: PagePool,
+    table: BlockTable,
+    slots: RequestTable,
+    have: np.ndarray,
+    loading: np.ndarray | None,
+    problems: list[str],
 ) -> None:
-    """Rows against lengths, and the pages they hold against the reference counts."""
+    """Rows against lengths, and the pages they hold (and loads in copy) against the
+    reference counts."""
     bt = table.array
     open_ = slots.owner_of[: config.max_requests + 1] != 0
     if np.count_nonzero(have[~open_]):
@@ -126,6 +136,8 @@ def _audit_table(
     if np.count_nonzero(held <= 0) or np.count_nonzero(held >= config.num_pages):
         problems.append("block table holds page ids outside [1, num_pages) within a request's pages")
         return
+    if loading is not None and loading.size:
+        held = np.concatenate((held, loading))
     refs = np.bincount(held, minlength=config.num_pages)
     if not np.array_equal(refs, pool.ref_cnt):
         diff = np.flatnonzero(refs != pool.ref_cnt)

@@ -300,6 +300,9 @@ class StepOutcome:
     adopt_slots: np.ndarray = dataclasses.field(default_factory=_no_int32)  # int32 [a]: each adoption's slot
     adopt_lens: np.ndarray = dataclasses.field(default_factory=_no_int32)  # int32 [a]: its alloced_len
     adopt_states: tuple[bytes, ...] = ()  # the state each ticket was handed off with (b"" if none)
+    match_loading: np.ndarray = dataclasses.field(
+        default_factory=_no_int32
+    )  # int32 [m] with a host tier: of each match's tokens, the last ones still being copied in
 
 
 def raise_first(bad: np.ndarray, error: Callable[[int], KVMemError]) -> None:

@@ -66,6 +66,10 @@ class HostTierStats:
     num_evicted: int = 0  # host pages evicted to make room (least recently used)
     num_dropped: int = 0  # evicted device pages the host could not take (more than it holds at once)
     hit_tokens: int = 0  # tokens matches loaded from the host
+    num_loading_pages: int = 0  # host pages being copied into device pages now
+    load_ms_p50: float = 0.0  # recent loads: from their Step to their last layer copied
+    load_ms_p99: float = 0.0
+    load_gib_per_s: float = 0.0  # the copy thread's bandwidth over recent loads
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

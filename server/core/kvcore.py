@@ -226,6 +226,8 @@ class KVCore:
         Cost: O(n + T + P) numpy work, vectorised across the items; a Python loop over
         items only when the pool or the quota runs short (never over tokens).
         """
+        if self.host_tier is not None and self.host_tier.mover.finished:
+            self.finish_loads()
         requests = self.slots
         state = requests.owner(owner)
         prefix = batch.check_lengths(self.config.max_requests)  # and whether it carries prefix work
@@ -262,6 +264,22 @@ class KVCore:
         except BaseException:
             undo.abort()  # refused before any change (a bug past that: the audit says)
             raise
+
+    def finish_loads(self) -> int:
+        """Take the host tier's loads whose copy has ended: their host pages back in its
+        LRU order, their device pages' load references dropped (a page no request holds
+        any more is then evictable, or free). The server calls it when the copy thread
+        says so; :meth:`step` first too. Returns the pages. O(those pages)."""
+        tier = self.host_tier
+        if tier is None:
+            return 0
+        done = tier.finished()
+        if not done:
+            return 0
+        pages = np.concatenate(done) if len(done) > 1 else done[0]
+        self.pool.unref(pages)
+        self._finish()
+        return int(pages.size)
 
     def commit(self, seq: int) -> None:
         """The Step :meth:`step` was given ``seq`` for is applied whole (the commit
@@ -302,9 +320,9 @@ class KVCore:
         switched, changed = NO_INT32, list[int]()
         if plan is not None and batch.cache_slots.size:
             switched, changed = prefix_step.cache_rows(cache, requests, batch, plan, state.namespace)
-        lens, needs = NO_INT32, batch.alloc_needs
+        lens, loading, needs = NO_INT32, NO_INT32, batch.alloc_needs
         if ms.size:
-            lens = prefix_step.match(cache, requests, state, batch, quota_pages, self.config.max_context_len)
+            lens, loading = prefix_step.match(cache, requests, state, batch, quota_pages, self.config.max_context_len)
             if cur is not None:
                 cur = requests.alloced[al]  # matched slots start where their match ended
                 needs = prefix_step.remainders(requests, batch, lens)
@@ -336,6 +354,7 @@ class KVCore:
         )
         if adoption is not None:
             result.adopt_slots, result.adopt_lens, result.adopt_states = adoption
+        result.match_loading = loading
         self._finish()
         return result
 
@@ -389,6 +408,7 @@ class KVCore:
         tier = self.host_tier
         if tier is None:
             return None
+        p50, p99, bandwidth = tier.mover.load_stats()
         return HostTierStats(
             num_pages=tier.num_pages,
             num_free_pages=tier.num_free,
@@ -399,6 +419,10 @@ class KVCore:
             num_evicted=tier.num_evicted,
             num_dropped=tier.num_dropped,
             hit_tokens=tier.hit_tokens,
+            num_loading_pages=tier.num_loading_pages,
+            load_ms_p50=p50,
+            load_ms_p99=p99,
+            load_gib_per_s=bandwidth,
         )
 
     def snapshot_events(self) -> list[CacheEvent]:
@@ -411,7 +435,9 @@ class KVCore:
 
     def audit(self) -> AuditReport:
         """Check every invariant (O(pool): see :func:`kvmem.server.core.audit.audit`)."""
-        report = audit(self.config, self.pool, self.table, self.slots, self._quarantine, self.cache)
+        tier = self.host_tier
+        loading = None if tier is None else tier.loading_device_pages()
+        report = audit(self.config, self.pool, self.table, self.slots, self._quarantine, self.cache, loading)
         problems = self.tickets.problems()
         if self.host_tier is not None:
             problems += self.host_tier.audit(self.cache.index, set(self.cache.roots.values()))

@@ -234,15 +234,16 @@ def cache_rows(
 
 def match(
     cache: PrefixCache, requests: RequestTable, state: Owner, batch: StepBatch, quota: int | None, max_context_len: int
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Match items: find each fresh request's longest run of cached pages (at most
     ``min(len, max_tokens)`` tokens, within the context limit and the owner's quota),
     then :meth:`RequestTable.attach` writes them into the rows and sets the lengths.
-    Returns tokens matched per item (int32)."""
+    Returns tokens matched per item (int32), and with a host tier how many of them are
+    still loading (int32; else empty)."""
     ms, tokens = batch.match_slots, batch.match_tokens
     n = int(ms.size)
     if not n or tokens is None:
-        return NO_INT32
+        return NO_INT32, NO_INT32
     lens = np.zeros(n, dtype=np.int32)
     limits = tokens.lengths()
     if batch.match_max_tokens is not None and batch.match_max_tokens.size:
@@ -252,8 +253,9 @@ def match(
     requests.count_queries(state, queried)
     cache.query_tokens += queried
     tier = cache.tier
+    none_loading = NO_INT32 if tier is None else np.zeros(n, dtype=np.int32)
     if not cache.enabled or not (cache.num_entries or (tier is not None and tier.num_cached)):
-        return lens
+        return lens, none_loading
     ps, ns, get = requests.table.page_size, state.namespace, cache.index.get
     root = cache.root(ns)
     most = max_context_len // ps
@@ -294,7 +296,23 @@ def match(
     if loads:
         assert tier is not None
         _load(cache, tier, requests, state, loads, tokens, lens)
-    return lens
+    if tier is None or not tier.num_loading_pages:
+        return lens, none_loading
+    return lens, _still_loading(tier, requests.table, ms, lens)
+
+
+def _still_loading(tier: HostTier, table: BlockTable, ms: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Per match item, the tokens of its match from its first page still being copied
+    in (by this call's loads or an earlier call's) to its end: what its reader must wait
+    for. Only while loads are in copy; O(pages matched)."""
+    counters, layers, ps = tier.mover.counters, tier.mover.num_layers, table.page_size
+    loading = np.zeros(lens.size, dtype=np.int32)
+    for i in np.flatnonzero(lens).tolist():
+        pages = table.array[int(ms[i]), : int(lens[i]) // ps]
+        behind = counters[pages] < layers
+        if np.count_nonzero(behind):
+            loading[i] = (pages.size - int(np.argmax(behind))) * ps
+    return loading
 
 
 @dataclasses.dataclass(slots=True)
@@ -322,11 +340,12 @@ def _load(
     """The host-tier part of the matches (their device runs attached already), in item
     order: a load's first pages that an earlier load of this call put on the device are
     shared; the others get device pages, as many as the pool gives (a load that does
-    not fit is shortened: a match never fails for want of pages), their bytes copied in,
-    the pages cached on the device and written into the row after the run. The host
-    pages are pinned until then: the evictions that taking device pages makes demote
-    pages, and the host may evict to hold them, never a page being loaded. O(pages
-    loaded) plus the copies."""
+    not fit is shortened: a match never fails for want of pages), cached on the device
+    and written into the row after the run, and their bytes copied in by the copy
+    thread (the load holds a reference of its own on them until the copy ends). The
+    host pages are pinned from here to the copy's end: the evictions that taking device
+    pages makes demote pages, and the host may evict to hold them, never a page being
+    loaded. O(pages loaded)."""
     pool, ps, index = requests.pool, cache.page_size, cache.index
     for load in loads:
         tier.pin(load.host)
@@ -348,12 +367,13 @@ def _load(
             col += s
         if c:
             device = pool.take(c)
-            tier.load(load.host[s : s + c], device)
             ids = tokens.item(load.item)[col * ps :]
             parent = load.keys[s - 1] if s else load.parent
             kept = cache.insert(device.tolist(), load.keys[s : s + c], ids, state.namespace, parent, col)
             assert kept == device.tolist(), "a loaded page's key was cached on the device already"
             requests.attach_loaded(state, load.slot, col, device)
+            pool.share(device)  # the load's own reference, dropped when its copy ends
+            tier.load(load.host[s : s + c], device)
         lens[load.item] += (s + c) * ps
         cache.hit_tokens += (s + c) * ps
 

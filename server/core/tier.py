@@ -29,10 +29,14 @@ parent is a root or cached on one of the tiers.
 **Loads.** A match whose chain continues past the device's pages in this tier
 (:meth:`HostTier.run`) gets device pages for them in the same call (charged to the
 requester as any alloc; the match is shortened to the pages the pool and the quota can
-give), the bytes copied in (:meth:`HostTier.load`) before the call returns, and the
-pages cached on the device too. The host pages of a load are pinned while the device
-pages are taken (whose evictions demote, and may make the host evict): a page is never
-evicted from under its own load.
+give), and the pages are cached on the device too; the bytes are copied in by the
+mover's copy thread (:meth:`HostTier.load`), layer by layer, after the call returns:
+the answer says how many of the match's tokens are still loading, and a reader waits
+on the load counters. The host pages of a load are pinned from the moment the match
+finds them until their copy has finished (:meth:`HostTier.finished`): a page is never
+evicted, nor its host page reused, from under its own load; the device pages hold one
+reference of the load's own until then, so a request released while its pages load
+frees them only when the copy ends.
 
 Costs: O(pages moved) per call, plus the bytes copied; nothing proportional to either
 tier's size but :meth:`HostTier.audit`.
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,11 +58,20 @@ DEVICE, HOST = "GPU", "CPU"
 
 class PageMover(Protocol):
     """Copies whole pages (all layers, all ranks) between the device pool and the host
-    tier; each call returns once the bytes are there."""
+    tier (:class:`kvmem.server.memory.host.HostPages`): a demotion within the call, a
+    load on a copy thread, layer by layer, its progress in ``counters`` (per device
+    page: layers copied; ``num_layers`` when not loading), its token put in
+    ``finished`` at its end."""
+
+    num_layers: int
+    counters: np.ndarray
+    finished: collections.deque[Any]
 
     def to_host(self, device_pages: np.ndarray, host_pages: np.ndarray) -> None: ...
 
-    def to_device(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None: ...
+    def start_load(self, host_pages: np.ndarray, device_pages: np.ndarray, token: Any) -> None: ...
+
+    def load_stats(self) -> tuple[float, float, float]: ...
 
 
 class HostTier:
@@ -86,7 +99,11 @@ class HostTier:
         self.depth = np.zeros(num_pages, dtype=np.int32)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # the top is the end: 0, 1, 2... first
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
-        self._pinned: set[int] = set()
+        self._pinned: dict[int, int] = {}  # page -> the loads (and calls) that pin it
+        # Loads in copy: their host pages (pinned) and device pages (one reference each, the load's).
+        self.loading: dict[int, tuple[list[int], np.ndarray]] = {}
+        self.num_loading_pages = 0
+        self._next_load = 0
         self.events: list[CacheEvent] = []  # since the device cache last took them (take_events)
         # Since start.
         self.num_demoted = 0  # pages copied to the host
@@ -159,7 +176,7 @@ class HostTier:
             elif have not in pinned:
                 del lru[have]
                 if keep[i]:
-                    pinned.add(have)
+                    pinned[have] = 1
                     held.append(have)
                 else:
                     del index[key]
@@ -184,7 +201,7 @@ class HostTier:
             if page is None:
                 have = index.get(key)
                 if have is not None and have in held_set:
-                    pinned.discard(have)
+                    del pinned[have]
                     lru[have] = None
                 continue
             index[key] = page
@@ -251,30 +268,59 @@ class HostTier:
         return found, pages
 
     def pin(self, pages: list[int]) -> None:
-        """Keep ``pages`` from eviction until :meth:`load` or :meth:`unpin` (a load's
-        device pages are being taken). O(pages)."""
+        """Keep ``pages`` from eviction until as many :meth:`unpin` calls (a page two
+        matches load is pinned twice; a load's pages stay pinned until its copy ends,
+        :meth:`finished`). O(pages)."""
         for page in pages:
             self._lru.pop(page, None)
-            self._pinned.add(page)
+            self._pinned[page] = self._pinned.get(page, 0) + 1
 
     def unpin(self, pages: list[int]) -> None:
-        """Pinned pages whose load was not made: back in the LRU order, end first."""
+        """Drop one pin of each of ``pages``; those left unpinned go back in the LRU
+        order, end first (a parent stays more recent than its child). O(pages)."""
         for page in reversed(pages):
-            if page in self._pinned:
-                self._pinned.discard(page)
+            count = self._pinned.get(page)
+            if count == 1:
+                del self._pinned[page]
                 self._lru[page] = None
+            elif count is not None:
+                self._pinned[page] = count - 1
 
     def load(self, host_pages: list[int], device_pages: np.ndarray) -> None:
-        """Copy pinned ``host_pages`` (one chain's run, first page first) into
-        ``device_pages``; they are used now: back in the LRU order as the most recent,
-        the run's first page last (so a parent stays more recent than its child).
-        O(pages)."""
+        """Have pinned ``host_pages`` (one chain's run, first page first) copied into
+        ``device_pages`` on the copy thread; they stay pinned until
+        :meth:`finished` hands the load back (the caller holds a reference on
+        ``device_pages`` until then). O(pages)."""
         if not host_pages:
             return
-        self.mover.to_device(np.array(host_pages, dtype=np.int64), device_pages)
-        self.num_loaded += len(host_pages)
-        self.hit_tokens += len(host_pages) * self.page_size
-        self.unpin(host_pages)
+        n = len(host_pages)
+        token = self._next_load
+        self._next_load += 1
+        self.loading[token] = (host_pages, device_pages)
+        self.num_loading_pages += n
+        self.num_loaded += n
+        self.hit_tokens += n * self.page_size
+        self.mover.start_load(np.array(host_pages, dtype=np.int64), device_pages, token)
+
+    def finished(self) -> list[np.ndarray]:
+        """The loads the copy thread has finished since the last call: their host pages
+        are used now (back in the LRU order as the most recent, the run's first page
+        last, so a parent stays more recent than its child); returns each one's device
+        pages, whose load reference the caller drops. O(pages)."""
+        done = self.mover.finished
+        out: list[np.ndarray] = []
+        while done:
+            host, device = self.loading.pop(done.popleft())
+            self.num_loading_pages -= len(host)
+            self.unpin(host)
+            out.append(device)
+        return out
+
+    def loading_device_pages(self) -> np.ndarray:
+        """The device pages of the loads in copy (each holds one reference of its load's). O(pages)."""
+        if not self.loading:
+            return np.zeros(0, dtype=np.int32)
+        return np.concatenate([d for _, d in self.loading.values()]).astype(np.int32)
 
     def snapshot(self) -> list[CacheEvent]:
         """A ``PagesStored`` (medium "CPU") per cached host page, parents before
@@ -295,9 +341,9 @@ class HostTier:
     # ------------------------------------------------------------ audit
 
     def audit(self, device_index: dict[bytes, int], roots: set[bytes]) -> list[str]:
-        """Every host page accounted for (free + cached + pinned, none twice), the index
-        and the facts agreeing, and every cached host page's parent a root or cached on
-        a tier. O(host pages)."""
+        """Every host page accounted for (free + cached, a cached one either in the LRU
+        order or in copy, none twice), the index and the facts agreeing, and every
+        cached host page's parent a root or cached on a tier. O(host pages)."""
         problems: list[str] = []
         free = set(self._free)
         cached = set(self.index.values())
@@ -306,8 +352,15 @@ class HostTier:
             problems.append("host tier: a page is twice on the free list")
         if free & cached:
             problems.append(f"host tier: pages both free and cached: {sorted(free & cached)[:8]}")
-        if lru | self._pinned != cached or lru & self._pinned:
+        pinned = set(self._pinned)
+        if lru | pinned != cached or lru & pinned:
             problems.append("host tier: the LRU order and the pinned pages do not cover the cached pages once each")
+        in_copy = [h for host, _ in self.loading.values() for h in host]
+        if len(in_copy) != self.num_loading_pages or self._pinned != collections.Counter(in_copy):
+            problems.append(
+                f"host tier: {len(in_copy)} pages in copy ({self.num_loading_pages} by the count), "
+                f"{len(self._pinned)} pinned (between calls, exactly the pages in copy are)"
+            )
         if len(free) + len(cached) != self.num_pages:
             problems.append(
                 f"host tier: {len(free)} free + {len(cached)} cached != {self.num_pages} pages (some are lost)"

@@ -103,7 +103,14 @@ def geometry_to_proto(core: CoreConfig, kv: KVGeometry | None) -> kvmem_pb2.Pool
 
 def handle_to_proto(h: HandleInfo) -> kvmem_pb2.MemoryHandle:
     """A backend's handle as the explicit proto fields (no pickle on the wire)."""
-    msg = kvmem_pb2.MemoryHandle(name=h.name, rank=h.rank, dtype=h.dtype, shape=list(h.shape), size_bytes=h.size_bytes)
+    msg = kvmem_pb2.MemoryHandle(
+        name=h.name,
+        rank=h.rank,
+        dtype=h.dtype,
+        shape=list(h.shape),
+        size_bytes=h.size_bytes,
+        offset_bytes=h.offset_bytes,
+    )
     if h.cuda is not None:
         msg.cuda.CopyFrom(kvmem_pb2.CudaIpcHandle(**dataclasses.asdict(h.cuda)))
     else:
@@ -285,6 +292,8 @@ def step_response(
         resp.match_lens = le_bytes(result.match_lens.astype(np.int32, copy=False))
         resp.cache_switched = le_bytes(result.cache_switched.astype(np.int32, copy=False))
         resp.num_pages_cached = result.num_pages_cached
+        if result.match_loading.size:
+            resp.match_loading = le_bytes(result.match_loading)
     return resp
 
 
@@ -364,6 +373,10 @@ def _host_tier(host: HostTierStats | None) -> kvmem_pb2.HostTierStats | None:
         num_evicted=host.num_evicted,
         num_dropped=host.num_dropped,
         hit_tokens=host.hit_tokens,
+        num_loading_pages=host.num_loading_pages,
+        load_ms_p50=host.load_ms_p50,
+        load_ms_p99=host.load_ms_p99,
+        load_gib_per_s=host.load_gib_per_s,
     )
 
 

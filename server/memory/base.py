@@ -37,7 +37,7 @@ class CudaIpcInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HandleInfo:
-    """One allocation a client maps: ``name`` "kv" or "block_table", the rank (index into
+    """One allocation a client maps: ``name`` "kv", "block_table" or "load_counters", the rank (index into
     the backend's devices; 0 for shm), the element dtype name and the whole allocation's
     shape and size. Exactly one of ``shm_path`` and ``cuda`` is set."""
 
@@ -48,6 +48,7 @@ class HandleInfo:
     size_bytes: int
     shm_path: str | None = None
     cuda: CudaIpcInfo | None = None
+    offset_bytes: int = 0  # where it starts in its shm file (the load counters follow the block table)
 
 
 class MemoryBackend(abc.ABC):

@@ -8,17 +8,39 @@ in each of ``planes`` planes (``layers * 2`` or ``layers``). A host page is cont
 its planes one after another: ``[rank][host page][plane][row bytes]``, so that a page is
 one run of bytes (what a store outside the node would take whole).
 
-The CPU pool (shared memory) is copied with numpy, one gather and one scatter per
-call, in the calling thread. Host memory is allocated lazily by the kernel (the pages of
-the array are touched as pages are demoted); :func:`check_host_memory` refuses at start a
-size the host cannot provide.
+The CPU pool (shared memory) is copied with numpy. A demotion (device to host) is
+copied in the calling thread, within the call that evicts (the page is reused right
+after). A load (host to device, :meth:`HostPages.start_load`) is copied by the copy
+thread, off the Step's path, **layer by layer**: once layer ``i`` of a load's pages is
+in, their entries in :attr:`HostPages.counters` become ``i + 1``; ``num_layers`` means
+"not loading". The counters are an int32 array per device page in the block-table file
+(what clients map already), so a client reading layer ``i`` of a page waits for its
+count to pass ``i`` in its own memory, with no round trip. The copy writes a layer's
+bytes before its counter (a plain store after the copy: x86's and the kernel's store
+order; a reader loads the counter before the bytes). A finished load is handed back to
+the core's thread (:attr:`HostPages.finished`, then :attr:`HostPages.notify`), which
+drops the references the load held.
+
+Host memory is allocated lazily by the kernel (the pages of the array are touched as
+pages are demoted); :func:`check_host_memory` refuses at start a size the host cannot
+provide.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from kvmem.server.memory.geometry import GeometryError, KVGeometry, format_size
+
+log = logging.getLogger("kvmem.server.memory")
 
 
 def planes_of(geometry: KVGeometry) -> int:
@@ -65,15 +87,45 @@ def check_host_memory(host_bytes: int, geometry: KVGeometry, num_ranks: int, tex
 class HostPages:
     """``num_pages`` host pages per rank for the device pools ``device`` (one flat
     ``uint8`` array per rank: the whole KV allocation, ``num_device_pages`` pages of
-    ``geometry``), and the copies both ways."""
+    ``geometry``), the copies both ways, and the copy thread that makes the loads.
 
-    def __init__(self, device: list[np.ndarray], geometry: KVGeometry, num_device_pages: int, num_pages: int) -> None:
+    ``counters``: the int32 ``[num_device_pages]`` load counters (a view into the
+    block-table file; None: an array of its own), set to ``num_layers`` here."""
+
+    def __init__(
+        self,
+        device: list[np.ndarray],
+        geometry: KVGeometry,
+        num_device_pages: int,
+        num_pages: int,
+        counters: np.ndarray | None = None,
+    ) -> None:
         planes = planes_of(geometry)
         row = geometry.page_bytes // planes
         self.num_pages = num_pages
         self.page_bytes = geometry.page_bytes
+        self.num_layers = geometry.num_layers
+        self._planes_per_layer = planes // geometry.num_layers
         self._device = [d.reshape(planes, num_device_pages, row) for d in device]
         self._host = [np.empty((num_pages, planes, row), dtype=np.uint8) for _ in device]
+        if counters is None:
+            counters = np.empty(num_device_pages, dtype=np.int32)
+        if counters.shape != (num_device_pages,) or counters.dtype != np.int32:
+            raise ValueError(f"load counters must be int32 [{num_device_pages}], got {counters.dtype} {counters.shape}")
+        counters[:] = self.num_layers
+        self.counters = counters
+        # Loads the copy thread finished, their tokens in order; the core's thread takes them.
+        self.finished: collections.deque[Any] = collections.deque()
+        # Called by the copy thread after each finished load (the server: wake its loop).
+        self.notify: Callable[[], None] | None = None
+        self._queue: queue.SimpleQueue[tuple[np.ndarray, np.ndarray, Any, float] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Condition()
+        self._pending = 0  # loads queued and not finished
+        # Tests hold the copy thread between layers (hold / allow / resume); None: it runs.
+        self._permits: threading.Semaphore | None = None
+        # Recent loads: (pages, seconds from start_load to the last layer, seconds copying).
+        self._recent: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=1024)
 
     def to_host(self, device_pages: np.ndarray, host_pages: np.ndarray) -> None:
         # A page at a time, straight from its planes into its host page: one copy of its
@@ -84,10 +136,93 @@ class HostPages:
             for d, h in zip(device_pages.tolist(), host_pages.tolist(), strict=True):
                 host[h] = dev[:, d]
 
-    def to_device(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
-        for dev, host in zip(self._device, self._host, strict=True):
-            for h, d in zip(host_pages.tolist(), device_pages.tolist(), strict=True):
-                dev[:, d] = host[h]
+    # ------------------------------------------------------------ loads
+
+    def start_load(self, host_pages: np.ndarray, device_pages: np.ndarray, token: Any) -> None:
+        """Copy ``host_pages`` into ``device_pages`` on the copy thread, layer by layer;
+        ``token`` goes to :attr:`finished` when the last layer is in. The pages' counters
+        are 0 when this returns (before the Step that took them answers). The caller
+        keeps both sets of pages from reuse until then. O(pages) here."""
+        self.counters[device_pages] = 0
+        with self._idle:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvmem-tier-copy", daemon=True)
+            self._thread.start()
+        self._queue.put((host_pages, device_pages, token, time.perf_counter()))
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            host_pages, device_pages, token, queued = job
+            started = time.perf_counter()
+            try:
+                self._copy_in(host_pages.tolist(), device_pages.tolist(), device_pages)
+            except Exception:  # the memory was closed under it: its readers time out
+                log.exception("host tier: a load of %d page(s) failed; its pages stay unreadable", host_pages.size)
+            done = time.perf_counter()
+            self._recent.append((int(host_pages.size), done - queued, done - started))
+            self.finished.append(token)
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+            notify = self.notify
+            if notify is not None:
+                notify()
+
+    def _copy_in(self, host: list[int], device: list[int], device_pages: np.ndarray) -> None:
+        """Layer by layer, every page (and rank) of the layer, then its counters."""
+        k = self._planes_per_layer
+        counters = self.counters
+        for layer in range(self.num_layers):
+            permits = self._permits
+            if permits is not None:
+                permits.acquire()
+            lo, hi = layer * k, layer * k + k
+            for dev, hst in zip(self._device, self._host, strict=True):
+                for h, d in zip(host, device, strict=True):
+                    dev[lo:hi, d] = hst[h, lo:hi]
+            counters[device_pages] = layer + 1
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until every load started has finished (tests, tools, shutdown)."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._pending == 0, timeout):
+                raise TimeoutError(f"{self._pending} host-tier load(s) still copying after {timeout:.0f} s")
+
+    def hold(self) -> None:
+        """Tests: the copy thread stops before each layer until :meth:`allow` lets it on."""
+        self._permits = threading.Semaphore(0)
+
+    def allow(self, layers: int) -> None:
+        """Tests: let the held copy thread copy ``layers`` more layers (of any loads)."""
+        assert self._permits is not None, "allow() without hold()"
+        self._permits.release(layers)
+
+    def resume(self) -> None:
+        """Tests: the copy thread runs freely again."""
+        permits, self._permits = self._permits, None
+        if permits is not None:
+            permits.release(1 << 20)
+
+    def load_stats(self) -> tuple[float, float, float]:
+        """Recent loads (the last 1024): time from start to last layer, p50 and p99 in
+        ms, and the copy bandwidth in GiB/s (0s before any). O(1024)."""
+        recent = list(self._recent)
+        if not recent:
+            return 0.0, 0.0, 0.0
+        waits = np.array([r[1] for r in recent]) * 1e3
+        copying = sum(r[2] for r in recent)
+        moved = sum(r[0] for r in recent) * self.page_bytes * len(self._host)
+        p50, p99 = np.percentile(waits, [50, 99]).tolist()
+        return p50, p99, (moved / copying / 2**30 if copying > 0 else 0.0)
+
+    def close(self) -> None:
+        """Stop the copy thread once the loads queued are copied (before the memory goes). Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self.resume()
+            self._queue.put(None)
+            thread.join(timeout=30)
 
     def page(self, host_page: int, rank: int = 0) -> np.ndarray:
         """One host page's bytes ``[planes, row]`` (a view): for tests and tools."""

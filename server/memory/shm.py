@@ -198,6 +198,7 @@ class ShmBackend(MemoryBackend):
         discard: bool = False,
         state_bytes: int = 0,
         log_bytes: int = 0,
+        load_counters: bool = False,
     ) -> None:
         _check_prefix(prefix)
         if mode & ~0o660 or mode & 0o600 != 0o600:
@@ -210,7 +211,10 @@ class ShmBackend(MemoryBackend):
         remove_stale(directory, prefix)
 
         kv_bytes, bt_bytes = pool.kv_bytes, pool.block_table_bytes
-        self._needed = kv_bytes + bt_bytes + state_bytes
+        # --host-memory: the host tier's load counters, int32 per page after the table (see
+        # kvmem.server.memory.host): in the file clients map already.
+        counter_bytes = 4 * pool.num_pages if load_counters else 0
+        self._needed = kv_bytes + bt_bytes + counter_bytes + state_bytes
         lock_fd, base = (
             self._create_lock(directory, prefix) if keep is None else self._kept_lock(directory, prefix, keep)
         )
@@ -222,7 +226,7 @@ class ShmBackend(MemoryBackend):
         # The step log (kvmem.server.steplog), beside the state: sparse, never reserved (a
         # region per session, mostly untouched).
         self.log_path = base + ".sl" if keep is not None and log_bytes > 0 else None
-        sizes = {self.kv_path: kv_bytes, self.block_table_path: bt_bytes}
+        sizes = {self.kv_path: kv_bytes, self.block_table_path: bt_bytes + counter_bytes}
         if self.state_path is not None:
             sizes[self.state_path] = state_bytes
         if self.log_path is not None:
@@ -257,7 +261,11 @@ class ShmBackend(MemoryBackend):
         # block_table keep the two mappings alive. None once closed.
         self._kv_raw: np.ndarray | None = np.frombuffer(kv_map, dtype=np.uint8)
         self._kv: torch.Tensor | None = None  # kv()'s torch view of _kv_raw, built on first use
-        self.block_table = np.frombuffer(bt_map, dtype=np.int32).reshape(pool.block_table_shape)
+        self.block_table = np.frombuffer(bt_map, dtype=np.int32, count=bt_bytes // 4).reshape(pool.block_table_shape)
+        # None without a host tier.
+        self.load_counters: np.ndarray | None = (
+            np.frombuffer(bt_map, dtype=np.int32, count=pool.num_pages, offset=bt_bytes) if load_counters else None
+        )
         self._kv_bytes = kv_bytes
         self._bt_bytes = bt_bytes
         self._log_created(f"in {self.kv_path}")
@@ -383,10 +391,27 @@ class ShmBackend(MemoryBackend):
         return self._kv
 
     def handles(self) -> list[HandleInfo]:
-        """The KV file and the block-table file (rank 0). O(1)."""
+        """The KV file and the block-table file (rank 0), and the load counters in the
+        latter when there are any. O(1)."""
         if self.closed or self._kv_raw is None:
             raise RuntimeError("the shm backend is closed")
         g = self.geometry
+        counters = self.load_counters
+        extra = (
+            []
+            if counters is None
+            else [
+                HandleInfo(
+                    "load_counters",
+                    0,
+                    "int32",
+                    (self.num_pages,),
+                    counters.nbytes,
+                    shm_path=self.block_table_path,
+                    offset_bytes=self._bt_bytes,
+                )
+            ]
+        )
         return [
             HandleInfo("kv", 0, g.dtype, self.pool.kv_shape, self._kv_bytes, shm_path=self.kv_path),
             HandleInfo(
@@ -397,6 +422,7 @@ class ShmBackend(MemoryBackend):
                 self._bt_bytes,
                 shm_path=self.block_table_path,
             ),
+            *extra,
         ]
 
     def sync_rows(self, rows: np.ndarray) -> None:
@@ -409,3 +435,4 @@ class ShmBackend(MemoryBackend):
         self._finalizer()
         self._kv_raw = None
         self._kv = None
+        self.load_counters = None

@@ -426,7 +426,8 @@ def _headers(block: str) -> dict[str, str]:
 
 def _host_tier(host: HostTierStats | None) -> Iterator[Any]:
     """The host-memory tier (kvmem serve --host-memory), when there is one: its pages by
-    state, pages moved each way, evicted and dropped, the tokens matches took from it."""
+    state and in copy, pages moved each way, evicted and dropped, the tokens matches took
+    from it, and its loads' latency and bandwidth."""
     if host is None:
         return
     pages = GaugeMetricFamily(
@@ -435,6 +436,22 @@ def _host_tier(host: HostTierStats | None) -> Iterator[Any]:
     pages.add_metric(["free"], host.num_free_pages)
     pages.add_metric(["cached"], host.num_cached_pages)
     yield pages
+    yield GaugeMetricFamily(
+        "kvmem_host_tier_pages_in_copy", "Host-tier pages being copied into pool pages now (cached, pinned).",
+        host.num_loading_pages,
+    )  # fmt: skip
+    latency = GaugeMetricFamily(
+        "kvmem_host_tier_load_seconds",
+        "A load's time from its Step to its last layer copied, over the last 1024 loads.",
+        labels=["quantile"],
+    )
+    latency.add_metric(["0.5"], host.load_ms_p50 / 1e3)
+    latency.add_metric(["0.99"], host.load_ms_p99 / 1e3)
+    yield latency
+    yield GaugeMetricFamily(
+        "kvmem_host_tier_load_bytes_per_second", "The copy thread's bandwidth over the last 1024 loads.",
+        host.load_gib_per_s * 2**30,
+    )  # fmt: skip
     moved = CounterMetricFamily(
         "kvmem_host_tier_pages_moved",
         "Pages copied between the tiers: to the host as the pool evicted them (demoted), back for a match (loaded).",

@@ -62,6 +62,7 @@ class KVMemServer:
         self.guard = Guard(config.auth_token)  # every call passes it: admission, refusals, metrics
         self.service: KVMemoryService | None = None
         self.memory: MemoryBackend | None = None
+        self._mover: Any = None  # the host tier's HostPages (--host-memory): its copy thread
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self.metrics_server: MetricsServer | None = None
@@ -311,7 +312,17 @@ class KVMemServer:
         text = self.config.host_memory
         num_pages = check_host_memory(parse_size(text, "--host-memory"), geometry, memory.num_ranks, text)
         raw = [memory.kv_raw(rank) for rank in range(memory.num_ranks)]  # type: ignore[attr-defined]
-        mover = HostPages(raw, geometry, core_cfg.num_pages, num_pages)
+        counters = getattr(memory, "load_counters", None)  # in the block-table file clients map
+        mover = HostPages(raw, geometry, core_cfg.num_pages, num_pages, counters)
+        # The copy thread says when a load has ended; the loop drops its references (the core is the loop's).
+        loop = asyncio.get_running_loop()
+
+        def notify() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone with its pages
+                loop.call_soon_threadsafe(self._loads_finished)
+
+        mover.notify = notify
+        self._mover = mover
         log.info(
             "host tier: %d pages (%s of host memory per rank, %s a page), %s",
             num_pages,
@@ -323,6 +334,17 @@ class KVMemServer:
         policy = self.config.host_write_policy
         tier = HostTier(num_pages, core_cfg.page_size, mover, min_pages, write_through=policy == "write-through")
         return tier, geometry.page_bytes * memory.num_ranks
+
+    def _loads_finished(self) -> None:
+        """On the loop, after the copy thread ended a load: the core takes it back."""
+        if self.sessions is not None:
+            self.sessions.core.finish_loads()
+
+    def _stop_copies(self) -> None:
+        """The host tier's copy thread ends before the memory it copies goes."""
+        mover, self._mover = self._mover, None
+        if mover is not None:
+            mover.close()
 
     def _publish_events(self, events: list[CacheEvent]) -> None:
         """The core's event sink: one mutating call's cache events into the event log
@@ -390,6 +412,7 @@ class KVMemServer:
         if health is not None:
             with contextlib.suppress(Exception):
                 await health.stop(None)
+        self._stop_copies()
         if self.memory is not None:
             with contextlib.suppress(Exception):
                 self.memory.close()
@@ -442,6 +465,7 @@ class KVMemServer:
         await self.grpc_server.stop(cfg.shutdown_grace_s)
         if self.metrics_server is not None:
             await self.metrics_server.stop()
+        self._stop_copies()
         if self.memory is not None:
             self.memory.close()  # shm: the files are removed; cuda: the memory is released
         if self.config.socket_path is not None:

@@ -199,6 +199,7 @@ def allocate(
                 discard=cfg.discard_state,
                 state_bytes=state_bytes,
                 log_bytes=log_bytes,
+                load_counters=cfg.host_memory is not None,
             )
         except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
             raise StartupError(f"--shm-dir {cfg.shm_dir}: {exc}") from None

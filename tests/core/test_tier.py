@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvmem.client.loads import PageLoads
 from kvmem.server.core import AllocStatus, CoreConfig, KVCore, StepBatch
 from kvmem.server.core.events import PagesRemoved, PagesStored
 from kvmem.server.core.tier import HostTier
@@ -47,6 +48,7 @@ class Pool:
             page_bytes=GEOMETRY.page_bytes,
         )
         self.owner = self.core.add_owner()
+        self.loads = PageLoads(self.mover.counters, GEOMETRY.num_layers, PS)
         # [planes, tokens, bytes per token per plane]: every plane of every token slot
         self.slots = self.raw.reshape(planes_of(GEOMETRY), num_pages * PS, -1)
 
@@ -59,6 +61,8 @@ class Pool:
     def check(self, slot: int, token_ids: list[int]) -> None:
         """The row's first ``len(token_ids)`` token slots hold what was written for them."""
         row = self.core.block_table[slot]
+        # as a reader does: wait for the pages still loading (the copy thread's)
+        self.loads.wait(row[: -(-len(token_ids) // PS)].astype(np.int64), timeout=10)
         for pos, tok in enumerate(token_ids):
             loc = int(row[pos // PS]) * PS + pos % PS
             for plane in range(self.slots.shape[0]):
@@ -244,16 +248,151 @@ def test_tier_cannot_be_used_with_a_kept_image_or_without_the_prefix_cache() -> 
 def test_tier_pages_go_to_the_host_and_back_whole_in_either_format(geometry: KVGeometry) -> None:
     """A page is every layer's slice of the pool (K and V for mha, the latent for mla):
     what goes to the host comes back byte for byte into another page, and nothing else
-    of the pool changes."""
+    of the pool changes. The copy back is the copy thread's, a layer at a time: layer
+    i's counter passes i only once layer i's bytes are in, and no later layer is."""
     num_pages = 6
     spec = PoolSpec(geometry, num_pages, 4, 8)
     pool = np.random.default_rng(3).integers(0, 255, spec.kv_bytes, dtype=np.uint8)
     mover = HostPages([pool], geometry, num_pages, 3)
     before = pool.copy()
     mover.to_host(np.array([2, 4]), np.array([1, 0]))
-    mover.to_device(np.array([1, 0]), np.array([5, 3]))  # page 2's bytes into page 5, page 4's into 3
     view = pool.reshape(planes_of(geometry), num_pages, -1)
     was = before.reshape(planes_of(geometry), num_pages, -1)
+    per_layer = planes_of(geometry) // geometry.num_layers
+    loads = PageLoads(mover.counters, geometry.num_layers, PS)
+    target = np.array([5, 3])
+    mover.hold()  # the copy thread stops before each layer: a layer at a time
+    try:
+        mover.start_load(np.array([1, 0]), target, "t")  # page 2's bytes into page 5, page 4's into 3
+        assert mover.counters.tolist() == [3, 3, 3, 0, 3, 0] and not loads.ready(target, layer=0)
+        for layer in range(geometry.num_layers):
+            mover.allow(1)
+            loads.wait(target, layer=layer, timeout=10)
+            assert mover.counters[target].tolist() == [layer + 1] * 2
+            done = (layer + 1) * per_layer  # these planes are in, the others not yet
+            assert np.array_equal(view[:done, 5], was[:done, 2]) and np.array_equal(view[:done, 3], was[:done, 4])
+            assert np.array_equal(view[done:, [5, 3]], was[done:, [5, 3]])
+    finally:
+        mover.resume()
+    mover.wait_idle()
+    assert list(mover.finished) == ["t"] and loads.ready(target)
     assert np.array_equal(view[:, 5], was[:, 2]) and np.array_equal(view[:, 3], was[:, 4])
     untouched = [0, 1, 2, 4]
     assert np.array_equal(view[:, untouched], was[:, untouched])
+    mover.close()
+
+
+# --------------------------------------------------------------- loads off the Step's path
+# The copy thread is held (HostPages.hold) so that a load is in copy for as long as a
+# test needs: every interleaving below is made, not hoped for.
+
+
+def _evicted_prefix(p: Pool, prompt: list[int]) -> None:
+    """``prompt``'s full pages cached, then evicted to the host by a request taking the whole pool."""
+    p.run("a", prompt)
+    big = p.run("b", tokens(32, 500), release=False)
+    p.core.step(p.owner, StepBatch.of(release_slots=[big]))
+    assert p.core.stats().host.num_cached_pages == len(prompt) // PS
+
+
+def test_tier_a_match_answers_before_its_copy_and_says_what_is_still_loading() -> None:
+    p = Pool()
+    prompt = tokens(12, 100)
+    _evicted_prefix(p, prompt)
+    p.mover.hold()
+    try:
+        (slot,) = p.core.open(p.owner, ["c"]).tolist()
+        r = p.core.step(p.owner, StepBatch.of(match=[(slot, prompt)]))
+        assert r.match_lens.tolist() == [12] and r.match_loading.tolist() == [12]
+        pages = p.loads.pages_of(p.core.block_table[slot], 12, 12)
+        assert not p.loads.ready(pages, layer=0)  # nothing of it is readable yet
+        st = p.core.stats()
+        assert st.host.num_loading_pages == 3 and st.num_used_pages == 3
+        # Another session matching the same prefix meanwhile shares the pages in copy: it waits too.
+        other = p.core.add_owner()
+        (slot2,) = p.core.open(other, ["d"]).tolist()
+        r2 = p.core.step(other, StepBatch.of(match=[(slot2, prompt[:8])]))
+        assert r2.match_lens.tolist() == [8] and r2.match_loading.tolist() == [8]
+        assert p.core.stats().host.num_loaded == 3  # loaded once
+        p.mover.allow(1)  # layer 0 of every page in: layer 0 readable, layer 1 not
+        p.loads.wait(pages, layer=0, timeout=10)
+        assert not p.loads.ready(pages, layer=1)
+    finally:
+        p.mover.resume()
+    p.check(slot, prompt)
+    p.check(slot2, prompt[:8])
+    assert p.core.finish_loads() == 3
+    (slot3,) = p.core.open(p.owner, ["e"]).tolist()
+    r3 = p.core.step(p.owner, StepBatch.of(match=[(slot3, prompt)]))
+    assert r3.match_lens.tolist() == [12] and r3.match_loading.tolist() == [0]  # on the device, loaded
+
+
+def test_tier_a_request_released_while_loading_frees_its_pages_when_the_copy_ends() -> None:
+    p = Pool()
+    prompt = tokens(12, 100)
+    _evicted_prefix(p, prompt)
+    p.mover.hold()
+    try:
+        slot, _ = p.match("c", prompt)
+        pages = p.core.block_table[slot, :3].copy()
+        p.core.step(p.owner, StepBatch.of(release_slots=[slot]))  # released with its load in copy
+        st = p.core.stats()
+        assert (st.num_used_pages, st.num_cached_pages) == (3, 0)  # the load holds them: no one can take them
+        assert p.core.pool.ref_cnt[pages].tolist() == [1, 1, 1]
+        # An alloc wanting every page cannot have them: they are neither free nor evictable.
+        (big,) = p.core.open(p.owner, ["big"]).tolist()
+        r = p.core.step(p.owner, StepBatch.of(alloc_slots=[big], alloc_needs=[32]))
+        assert r.alloc_status.tolist() == [AllocStatus.OUT_OF_PAGES]
+    finally:
+        p.mover.resume()
+    p.mover.wait_idle()
+    # The Step takes the finished load first: its pages are evictable, then taken.
+    r = p.core.step(p.owner, StepBatch.of(alloc_slots=[big], alloc_needs=[32]))
+    assert r.alloc_status.tolist() == [AllocStatus.OK]
+    assert p.core.stats().host.num_loading_pages == 0
+
+
+def test_tier_a_session_killed_mid_load_loses_nothing() -> None:
+    p = Pool()
+    prompt = tokens(12, 100)
+    _evicted_prefix(p, prompt)
+    victim = p.core.add_owner()
+    p.mover.hold()
+    try:
+        (slot,) = p.core.open(victim, ["v"]).tolist()
+        r = p.core.step(victim, StepBatch.of(match=[(slot, prompt)], alloc_slots=[slot], alloc_needs=[14]))
+        assert r.match_loading.tolist() == [12] and r.alloc_status.tolist() == [AllocStatus.OK]
+        p.core.remove_owner(victim, quarantine=True)  # its lease lapsed: its own page is quarantined
+        st = p.core.stats()
+        assert (st.num_quarantined_pages, st.num_used_pages, st.host.num_loading_pages) == (1, 3, 3)
+    finally:
+        p.mover.resume()
+    p.mover.wait_idle()
+    assert p.core.finish_loads() == 3
+    st = p.core.stats()
+    assert (st.num_cached_pages, st.num_used_pages, st.num_quarantined_pages) == (3, 0, 1)
+    assert p.core.audit().ok
+    slot2, matched = p.match("w", prompt)  # the K/V a dead session's load brought in serve the next one
+    assert matched == 12
+    p.check(slot2, prompt)
+
+
+def test_tier_a_host_tier_whose_pages_are_all_in_copy_drops_evictions_and_never_waits() -> None:
+    p = Pool(num_pages=9, host_pages=3)
+    prompt = tokens(12, 100)
+    _evicted_prefix(p, prompt)  # the host's 3 pages: the prompt's
+    p.mover.hold()
+    try:
+        slot, matched = p.match("c", prompt)
+        assert matched == 12 and p.core.stats().host.num_loading_pages == 3  # every host page pinned
+        dropped = p.core.stats().host.num_dropped
+        p.run("x", tokens(8, 700))  # 2 pages cached
+        filler = p.run("f", tokens(20, 900), release=False)  # 5 pages: evicts x's 2, the host has no room
+        st = p.core.stats()
+        assert st.host.num_dropped == dropped + 2 and st.host.num_cached_pages == 3
+        removed = [k for e in p.events if isinstance(e, PagesRemoved) and e.medium == "GPU" for k in e.keys]
+        assert len(removed) >= 2  # reported gone, not lost silently
+        p.core.step(p.owner, StepBatch.of(release_slots=[filler]))
+    finally:
+        p.mover.resume()
+    p.check(slot, prompt)

@@ -7,7 +7,9 @@ pool free, used, cached or quarantined once; every host page free, cached or pin
 once; every cached page's parent a root or cached on a tier), and every running
 request's K/V, read through its row, is what was written for its tokens at their
 positions: a page matched from either tier is never another's, never stale, never
-half-copied."""
+half-copied. The copy thread is held and resumed at random, so loads stay in copy
+across calls (released, evicted around, matched again meanwhile), and a reader reads
+only what the load counters say is in."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvmem.client.loads import PageLoads
 from kvmem.server.core import AllocStatus, CoreConfig, KVCore, StepBatch
 from kvmem.server.core.tier import HostTier
 from kvmem.server.memory.geometry import KVGeometry, PoolSpec
@@ -35,6 +38,7 @@ class World:
         self.raw = np.zeros(spec.kv_bytes, dtype=np.uint8)
         mover = HostPages([self.raw], GEOMETRY, num_pages, host_pages)
         self.tier = HostTier(host_pages, PS, mover, write_through=write_through)
+        self.loads = PageLoads(mover.counters, GEOMETRY.num_layers, PS)
         self.core = KVCore(
             CoreConfig(num_pages=num_pages, page_size=PS, max_requests=8, max_context_len=10),
             audit_every_step=True,
@@ -44,6 +48,8 @@ class World:
         self.owner = self.core.add_owner()
         self.slots = self.raw.reshape(planes_of(GEOMETRY), num_pages * PS, -1)
         self.running: dict[int, list[int]] = {}  # slot -> tokens computed (K/V written)
+        self.mover = mover
+        self.held = False  # the copy thread held: loads stay in copy until resumed
         self.n = 0
 
     def write(self, kv_loc: np.ndarray, toks: list[int], start: int) -> None:
@@ -54,6 +60,12 @@ class World:
     def check(self) -> None:
         for slot, toks in self.running.items():
             row = self.core.block_table[slot]
+            pages = row[: -(-len(toks) // PS)].astype(np.int64)
+            if self.held:  # loads may stay in copy: read only what the counters say is in
+                ready = self.loads.counters[pages] == GEOMETRY.num_layers
+                toks = toks[: int(np.argmin(ready)) * PS] if not ready.all() else toks
+            else:
+                self.loads.wait(pages, timeout=10)
             for pos, tok in enumerate(toks):
                 loc = int(row[pos // PS]) * PS + pos % PS
                 for plane in range(self.slots.shape[0]):
@@ -98,6 +110,8 @@ ops = st.one_of(
     st.tuples(st.just("release"), st.integers(0, 7), st.just(True)),
     st.tuples(st.just("fill"), st.integers(1, 10)),
     st.tuples(st.just("fill"), st.integers(6, 10)),
+    st.tuples(st.just("hold")),
+    st.tuples(st.just("resume")),
 )
 
 
@@ -115,9 +129,22 @@ def test_tier_random_interleavings_keep_every_page_and_every_byte(
             _, pick, with_tokens = op
             if w.running:
                 w.release(sorted(w.running)[pick % len(w.running)], with_tokens)
+        elif op[0] == "hold":
+            if not w.held:
+                w.mover.hold()
+                w.held = True
+        elif op[0] == "resume":
+            w.mover.resume()
+            w.held = False
         else:
             w.fill(op[1])
         w.check()
+    w.mover.resume()
+    w.held = False
+    w.mover.wait_idle()
+    w.core.finish_loads()
+    w.check()
+    assert w.core.audit().ok
     stats = w.core.stats()
     host = stats.host
     assert host is not None and host.num_free_pages + host.num_cached_pages == host_pages

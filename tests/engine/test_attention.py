@@ -183,6 +183,40 @@ def test_greedy_tokens_and_logits_equal_generate_on_plain_tensors(
     assert_exact(f"plain tensors, page size {page_size}", reqs, expected)
 
 
+def test_tier_the_attention_hook_waits_for_each_layers_copy_before_reading_it(kvmem_model: LlamaForCausalLM) -> None:
+    """K/V still loading from a host tier: the forward's ``wait`` is called with each
+    layer's index, in order, before that layer reads the cache (layer 1 waits while
+    layer 0 has computed), and nothing else changes: the logits equal a forward with
+    nothing to wait for."""
+    page_size, prompt = 4, PROMPTS[0]
+    shape = (8 * page_size, KV_HEADS, HEAD_DIM)
+    kv_cache = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYERS)]
+    table = torch.zeros((2, 8), dtype=torch.int32)
+    table[1] = torch.arange(1, 9, dtype=torch.int32)
+    model = TransformersModel(kvmem_model, kv_cache, table, page_size)
+    builder = BatchBuilder()
+    builder.add("r", 1, 0, prompt, np.arange(page_size, page_size + prompt.size), 1)
+    batch = builder.build([], [], has_kv=True)
+    plain = model.forward(batch)
+    plain_logits = model.last_logits.clone()
+    calls: list[int | None] = []
+    seen_written: list[bool] = []
+
+    def wait(layer: int | None) -> float:
+        calls.append(layer)
+        # what this layer writes is not there yet when it waits: the wait comes first
+        seen_written.append(bool(kv_cache[layer][0][page_size : page_size + prompt.size].abs().sum() == 0))
+        return 0.0
+
+    for k, v in kv_cache:
+        k.zero_()
+        v.zero_()
+    waited = model.forward(dataclasses.replace(batch, wait=wait))
+    assert calls == list(range(LAYERS)) and all(seen_written)
+    assert waited.next_tokens.tolist() == plain.next_tokens.tolist()
+    assert torch.equal(model.last_logits, plain_logits)
+
+
 def test_paged_batch_masks_by_position_within_each_request() -> None:
     """The metadata of two requests (3 prefill tokens from position 2; one decode at
     position 4) over page size 2: each query sees its own request's positions up to its

@@ -264,3 +264,5 @@ def test_tier_multi_turn_conversations_come_back_from_the_host_tier_token_identi
     assert later["matched_tokens"] > later["prompt_tokens"] // 2, later  # the history, matched
     tier = result["host_tier"]
     assert tier["demoted"] > 0 and tier["loaded"] > 0 and tier["hit_tokens"] == 16 * tier["loaded"], tier
+    # the loads are copied after their Steps answer; the forwards waited for them per layer
+    assert 0 <= tier["loading_tokens"] <= tier["hit_tokens"] and tier["load_wait_ms"] >= 0, tier

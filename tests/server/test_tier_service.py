@@ -60,7 +60,10 @@ with KVMemClient(target, name=action) as kv:
         print(json.dumps({"ok": ok}))
     else:
         r = kv.step(match=[(slot, tokens)])
-        matched = int(r.match_lens[0])
+        matched, loading = int(r.match_lens[0]), int(r.match_loading[0])
+        # the server copies the pages in after it answers: wait for them, in this process's memory
+        kv.wait_loads(slot, matched, loading, timeout=30)
+        assert kv.page_loads.ready(kv.page_loads.pages_of(kv.block_table[slot], matched, matched))
         row = kv.block_table[slot].tolist()
         wrong = []
         for pos in range(matched):
@@ -71,7 +74,7 @@ with KVMemClient(target, name=action) as kv:
                     got = planes[k][loc].tolist()
                     if got != [[want, want]]:
                         wrong.append([pos, layer, k, got])
-        print(json.dumps({"matched": matched, "wrong": wrong[:5]}))
+        print(json.dumps({"matched": matched, "wrong": wrong[:5], "loading_ok": loading in (0, 4, 8, 12)}))
 """
 
 
@@ -101,7 +104,7 @@ def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_
         assert st.audit.ok, st.audit.problems
         assert (st.num_cached_pages, st.host_tier.num_cached_pages, st.host_tier.num_demoted) == (0, 3, 3)
     got = client(server.target, "read", PROMPT)
-    assert got == {"matched": 12, "wrong": []}, got
+    assert got == {"matched": 12, "wrong": [], "loading_ok": True}, got
     with KVMemClient(server.target, name="look") as kv:
         st = kv.stats(audit=True)
         assert st.audit.ok, st.audit.problems
@@ -111,7 +114,9 @@ def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_
         timeout=60,
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
-    assert "host tier 16 pages   cached 3   free 13   since start: demoted 3, loaded 3 (12 tokens" in shown.stdout
+    shown_tier = "host tier 16 pages   cached 3   free 13   in copy 0   since start: demoted 3, loaded 3 (12 tokens"
+    assert shown_tier in shown.stdout
+    assert re.search(r"loads: p50 \d+\.\d\d ms, p99 \d+\.\d\d ms, \d+\.\d GiB/s", shown.stdout), shown.stdout
     found = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", server.log())
     assert found, server.log()
     with urllib.request.urlopen(found.group(1), timeout=10) as resp:
@@ -126,6 +131,8 @@ def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_
     assert samples[("kvmem_host_tier_pages_moved_total", (("direction", "loaded"),))] == 3
     assert samples[("kvmem_host_tier_bytes_moved_total", ())] == 6 * 128
     assert samples[("kvmem_host_tier_hit_tokens_total", ())] == 12
+    assert samples[("kvmem_host_tier_pages_in_copy", ())] == 0
+    assert 0 < samples[("kvmem_host_tier_load_seconds", (("quantile", "0.5"),))] < 10
 
     # The events say where the prompt's pages are, as vLLM's medium does: stored on the
     # device ("GPU"), stored on the host as they were evicted ("CPU") and removed from the
@@ -175,3 +182,32 @@ def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_
 def test_tier_options_that_cannot_work_are_refused_at_start(extra: tuple[str, ...], words: str) -> None:
     run = refused_at_start(*extra)
     assert words in run.stderr, run.stderr
+
+
+def test_tier_the_drop_in_returns_from_an_iteration_block_once_its_matched_pages_are_loaded(
+    server: ServerProcess,
+) -> None:
+    """The drop-in (``KVAllocator``) over a server with a host tier: a block whose match
+    reaches the host tier returns only once the matched pages are copied in (every
+    layer: its load counters say so), with the K/V as written."""
+    from kvmem.client.compat import KVAllocator
+
+    assert client(server.target, "write", PROMPT) == {"ok": True}
+    assert client(server.target, "fill", list(range(500, 532))) == {"ok": True}  # the prompt's pages to the host
+    with KVMemClient(server.target, name="drop-in") as kv, KVAllocator(kv, max_batch_size=4) as alloc:
+        with alloc.iteration():
+            matched = alloc.match_prefix(0, PROMPT)
+            alloc.alloc(0, len(PROMPT), 0)
+        assert int(matched) == 12
+        slot = alloc._out.book.reqs[0].slot
+        pages = kv.page_loads.pages_of(kv.block_table[slot], 12, 12)
+        assert kv.page_loads.ready(pages)  # the block waited for them
+        layers = kv.kv_cache()
+        row = kv.block_table[slot].tolist()
+        for pos in range(12):
+            loc = row[pos // PS] * PS + pos % PS
+            for layer, planes in enumerate(layers):
+                for k in range(2):
+                    want = float(PROMPT[pos] * 1000 + pos * 10 + layer * 2 + k)
+                    assert planes[k][loc].tolist() == [[want, want]], (pos, layer, k)
+        assert kv.stats().host_tier.num_loaded == 3

@@ -132,12 +132,13 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
-    __slots__ = ("name", "rank", "dtype", "shape", "size_bytes", "shm", "cuda")
+    __slots__ = ("name", "rank", "dtype", "shape", "size_bytes", "offset_bytes", "shm", "cuda")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
     name: str
@@ -145,9 +146,10 @@ class MemoryHandle(_message.Message):
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     size_bytes: int
+    offset_bytes: int
     shm: ShmHandle
     cuda: CudaIpcHandle
-    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("name", "quota_pages", "cache_namespace", "resume_session_id")
@@ -306,7 +308,7 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ..., release_token_ids: _Optional[bytes] = ..., release_token_offsets: _Optional[bytes] = ..., cache_slots: _Optional[_Iterable[int]] = ..., cache_token_ids: _Optional[bytes] = ..., cache_token_offsets: _Optional[bytes] = ..., match_slots: _Optional[_Iterable[int]] = ..., match_token_ids: _Optional[bytes] = ..., match_token_offsets: _Optional[bytes] = ..., match_max_tokens: _Optional[_Iterable[int]] = ..., release_slots_i32: _Optional[bytes] = ..., truncate_slots_i32: _Optional[bytes] = ..., truncate_lens_i32: _Optional[bytes] = ..., alloc_slots_i32: _Optional[bytes] = ..., alloc_needs_i32: _Optional[bytes] = ..., alloc_expected_lens_i32: _Optional[bytes] = ..., seq: _Optional[int] = ..., handoff_slots: _Optional[_Iterable[int]] = ..., handoff_states: _Optional[_Iterable[bytes]] = ..., adopt_tickets: _Optional[_Iterable[str]] = ..., adopt_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted", "error", "seq", "handoff_tickets", "adopt_slots", "adopt_lens", "adopt_states")
+    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted", "error", "seq", "handoff_tickets", "adopt_slots", "adopt_lens", "adopt_states", "match_loading")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALLOC_STATUS_FIELD_NUMBER: _ClassVar[int]
     KV_LOC_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +327,7 @@ class StepResponse(_message.Message):
     ADOPT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     ADOPT_LENS_FIELD_NUMBER: _ClassVar[int]
     ADOPT_STATES_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LOADING_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     alloc_status: bytes
     kv_loc: bytes
@@ -343,7 +346,8 @@ class StepResponse(_message.Message):
     adopt_slots: bytes
     adopt_lens: bytes
     adopt_states: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., seq: _Optional[int] = ..., handoff_tickets: _Optional[_Iterable[str]] = ..., adopt_slots: _Optional[bytes] = ..., adopt_lens: _Optional[bytes] = ..., adopt_states: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    match_loading: bytes
+    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., seq: _Optional[int] = ..., handoff_tickets: _Optional[_Iterable[str]] = ..., adopt_slots: _Optional[bytes] = ..., adopt_lens: _Optional[bytes] = ..., adopt_states: _Optional[_Iterable[bytes]] = ..., match_loading: _Optional[bytes] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("audit",)
@@ -450,7 +454,7 @@ class StatsResponse(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ..., origin: _Optional[_Union[StateOrigin, _Mapping]] = ..., num_handoff_tickets: _Optional[int] = ..., num_handoff_pages: _Optional[int] = ..., num_handed_off: _Optional[int] = ..., num_adopted: _Optional[int] = ..., num_handoffs_expired: _Optional[int] = ..., num_handoffs_given_up: _Optional[int] = ..., host_tier: _Optional[_Union[HostTierStats, _Mapping]] = ...) -> None: ...
 
 class HostTierStats(_message.Message):
-    __slots__ = ("num_pages", "num_free_pages", "num_cached_pages", "page_bytes", "num_demoted", "num_loaded", "num_evicted", "num_dropped", "hit_tokens")
+    __slots__ = ("num_pages", "num_free_pages", "num_cached_pages", "page_bytes", "num_demoted", "num_loaded", "num_evicted", "num_dropped", "hit_tokens", "num_loading_pages", "load_ms_p50", "load_ms_p99", "load_gib_per_s")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -460,6 +464,10 @@ class HostTierStats(_message.Message):
     NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
     NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_P50_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_P99_FIELD_NUMBER: _ClassVar[int]
+    LOAD_GIB_PER_S_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     num_free_pages: int
     num_cached_pages: int
@@ -469,7 +477,11 @@ class HostTierStats(_message.Message):
     num_evicted: int
     num_dropped: int
     hit_tokens: int
-    def __init__(self, num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., num_demoted: _Optional[int] = ..., num_loaded: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_dropped: _Optional[int] = ..., hit_tokens: _Optional[int] = ...) -> None: ...
+    num_loading_pages: int
+    load_ms_p50: float
+    load_ms_p99: float
+    load_gib_per_s: float
+    def __init__(self, num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., num_demoted: _Optional[int] = ..., num_loaded: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_dropped: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_loading_pages: _Optional[int] = ..., load_ms_p50: _Optional[float] = ..., load_ms_p99: _Optional[float] = ..., load_gib_per_s: _Optional[float] = ...) -> None: ...
 
 class StateOrigin(_message.Message):
     __slots__ = ("kind", "owners", "requests", "pages_in_rows", "cached_pages", "quarantined_pages", "repaired", "adopt_ms", "sessions", "resumed", "not_resumed", "waiting", "undone")
