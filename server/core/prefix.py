@@ -62,7 +62,12 @@ class PrefixCache:
         self.depth = np.zeros(num_pages, dtype=np.int32) if image is None else image.page_depth  # column in its chain
         # Cached now; the image's flags (image.page_cached) follow at flush_image(), after the facts.
         self.cached = np.zeros(num_pages, dtype=bool)
-        self._pending: list[tuple[np.ndarray, np.ndarray, list[bytes], bytes, np.ndarray, str]] = []
+        # The facts of the pages this call cached, for the image (flush_image), flat.
+        self._img_pages: list[int] = []
+        self._img_keys: list[bytes] = []
+        self._img_parents: list[bytes] = []
+        self._img_tokens: list[np.ndarray] = []  # runs of token rows, page_size each
+        self._img_ns: list[tuple[str, int]] = []  # (namespace, pages) per insert
         self.roots: dict[str, bytes] = {}  # namespace -> the parent key of its chains' first pages
         # The evictable queue: entries [head, tail) of (page, seq); valid while lru_seq[page] == seq.
         cap = 2 * num_pages + 64
@@ -140,7 +145,7 @@ class PrefixCache:
             where = np.array(pages, dtype=np.intp)[cols]
             self.cached[where] = True
             if self._image is not None:  # into the image at the call's end (flush_image)
-                self._pending.append((where, cols, keys, parent, tokens, namespace))
+                self._pend(where, new, keys, parent, tokens, namespace)
             if self.tier is not None and self.tier.write_through:  # chain end first, as an eviction hands them
                 self._to_tier(where[::-1])
         return out
@@ -165,28 +170,55 @@ class PrefixCache:
         flags: one scatter per fact for the whole call. A crash before it leaves those
         pages uncached in the image (in their rows still: nothing lost but the cache
         entries); a page evicted since is skipped. O(pages)."""
-        pending, image = self._pending, self._image
-        if not pending or image is None:
+        image = self._image
+        if image is None or not self._img_pages:
             return
-        self._pending = []
-        ps, width = self.page_size, image.layout.key_bytes
-        where = np.concatenate([p[0] for p in pending])
-        chains = np.frombuffer(b"".join(b"".join((root, *keys)) for _, _, keys, root, _, _ in pending), np.uint8)
-        chains = chains.reshape(-1, width)  # per call: its root, then its keys
-        first = np.cumsum([0] + [len(p[2]) + 1 for p in pending[:-1]])
-        at = np.concatenate([start + cols for start, (_, cols, *_) in zip(first.tolist(), pending, strict=True)])
-        tokens = np.concatenate([t[: len(k) * ps].reshape(-1, ps)[c] for _, c, k, _, t, _ in pending])
-        ns = np.repeat([image.namespace_id(p[5]) for p in pending], [p[0].size for p in pending])
+        pages, keys, parents, token_runs = self._img_pages, self._img_keys, self._img_parents, self._img_tokens
+        self._img_pages, self._img_keys, self._img_parents, self._img_tokens = [], [], [], []
+        ns_runs, self._img_ns = self._img_ns, []
+        width = image.layout.key_bytes
+        where = np.array(pages, dtype=np.intp)
+        key_rows = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, width)
+        parent_rows = np.frombuffer(b"".join(parents), np.uint8).reshape(-1, width)
+        rows = (np.concatenate(token_runs) if len(token_runs) > 1 else token_runs[0]).reshape(-1, self.page_size)
+        ids = {image.namespace_id(name) for name, _ in ns_runs}
+        ns: np.ndarray | int = (
+            ids.pop()
+            if len(ids) == 1
+            else np.repeat([image.namespace_id(name) for name, _ in ns_runs], [n for _, n in ns_runs])
+        )
         live = self.cached[where]
-        if not live.all():
-            where, at, tokens, ns = where[live], at[live], tokens[live], ns[live]
-        image.page_key[where] = chains[at + 1]
-        image.page_parent[where] = chains[at]
-        image.page_tokens[where] = tokens
+        if not live.all():  # evicted since, in this call
+            where, key_rows, parent_rows, rows = where[live], key_rows[live], parent_rows[live], rows[live]
+            if isinstance(ns, np.ndarray):
+                ns = ns[live]
+        image.page_key[where] = key_rows
+        image.page_parent[where] = parent_rows
+        image.page_tokens[where] = rows
         image.page_ns[where] = ns
         if self.undo is not None:
             self.undo.inserted(where.astype(np.int32))
         image.page_cached[where] = True  # the flags last
+
+    def _pend(
+        self, where: np.ndarray, cols: list[int], keys: list[bytes], parent: bytes, tokens: np.ndarray, namespace: str
+    ) -> None:
+        """A call's inserted pages, for :meth:`flush_image`: flat, in insertion order (the
+        last write of a page wins). Their token rows as one slice when the columns are
+        one run (the usual: a chain's new end). O(pages), list appends."""
+        ps, n = self.page_size, len(cols)
+        self._img_pages += where.tolist()
+        first, last = cols[0], cols[-1]
+        if last - first + 1 == n:  # one run of columns
+            self._img_keys += keys[first : last + 1]
+            self._img_parents.append(keys[first - 1] if first else parent)
+            self._img_parents += keys[first:last]
+            self._img_tokens.append(tokens[first * ps : (last + 1) * ps])
+        else:
+            self._img_keys += [keys[c] for c in cols]
+            self._img_parents += [keys[c - 1] if c else parent for c in cols]
+            self._img_tokens += [tokens[c * ps : (c + 1) * ps] for c in cols]
+        self._img_ns.append((namespace, n))
 
     def _stored(
         self, keys: list[bytes], tokens: np.ndarray, namespace: str, start: int, end: int, first_parent: bytes | None
