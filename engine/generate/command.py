@@ -141,6 +141,15 @@ def add_parser(sub: Any, name: str = "generate") -> None:
         "conversation, so histories leave it between turns (default: none)",
     )
     p.add_argument(
+        "--load-wait",
+        choices=["layer", "iteration"],
+        default="layer",
+        help="with a host-memory tier: how a request whose prefix is still being copied in waits. layer: it "
+        "computes at once, each layer's attention waiting for that layer's copy; iteration: it is held out of "
+        "the forwards until its whole load is in, the others computing meanwhile (bench/tier_bench.py measures "
+        "both; default: layer)",
+    )
+    p.add_argument(
         "--num-pages",
         metavar="N",
         type=integer(2),
@@ -313,6 +322,7 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
             role=roles[w],
             drain_after=drain_n if w == drain_w else 0,
             turns=args.turns if args.workload == "multi-turn" else 1,
+            load_wait=args.load_wait,
         )
         for w in range(workers)
     ]

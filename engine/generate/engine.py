@@ -121,7 +121,10 @@ class Engine:
     and ``cache_namespace``: the session's (requests share cached pages within a
     namespace); ``max_running``: requests running at once; ``api``: ``"client"`` (the
     batched client) or ``"compat"`` (the drop-in: request indices, one
-    ``allocator.iteration()`` block per iteration, K/V read through ``req_to_page``).
+    ``allocator.iteration()`` block per iteration, K/V read through ``req_to_page``);
+    ``load_wait``: how a request whose prefix is still loading from the server's host
+    tier waits: ``"layer"`` (it computes; each layer's attention waits for that layer's
+    copy) or ``"iteration"`` (held out of the forwards until its load is in).
     Attaching checks the pool's geometry against the model's and refuses a mismatch in
     one line that gives the ``kvmem serve`` flags (:class:`~.hf_model.GeometryMismatch`).
     Use as a context manager, or :meth:`close`. :attr:`figures` holds the last run's.
@@ -138,7 +141,10 @@ class Engine:
         auth_token: str | None = None,
         max_running: int = 64,
         api: str = "client",
+        load_wait: str = "layer",
     ) -> None:
+        if load_wait not in ("layer", "iteration"):
+            raise ValueError(f"load_wait must be 'layer' or 'iteration', got {load_wait!r}")
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {max_running}")
         if api not in APIS:
@@ -147,6 +153,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_running = max_running
         self.api = api
+        self.load_wait = load_wait
         self.kv = KVMemClient(target, name=name, auth_token=auth_token, cache_namespace=cache_namespace)
         try:
             check_geometry(model.config, self.kv.geometry, next(model.parameters()).dtype)
@@ -269,6 +276,7 @@ class Engine:
             stops=frozenset(stops),
             keep_logits=keep_logits,
             moves=moves,
+            load_wait=self.load_wait,
         )
         sched.add(reqs)
         run = _Run(self, sched, reqs, tuple(stop))

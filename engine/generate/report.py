@@ -127,6 +127,7 @@ def report(
             "loading_tokens": sum(int(w["figures"].get("loading_tokens", 0)) for w in workers),
             "load_wait_ms": round(1e3 * sum(float(w["figures"].get("load_wait_seconds", 0.0)) for w in workers), 3),
             "load_ms_p50": round(h.load_ms_p50, 3),
+            "load_held": sum(int(w["figures"].get("load_held", 0)) for w in workers),
         }
     if args.json:
         json.dump(result, sys.stdout, indent=2)

@@ -254,6 +254,7 @@ class GenerateConfig:
     role: str = "mixed"  # mixed, prefill or decode (see .moves)
     drain_after: int = 0  # test hook: SIGTERM itself once it has generated this many tokens (0: never)
     turns: int = 1  # > 1: its prompts are conversations of this many turns, turn-major (multi_turn_prompts)
+    load_wait: str = "layer"  # how a request whose prefix is loading from the host tier waits (Engine)
 
 
 def worker_main(
@@ -334,6 +335,7 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
         auth_token=config.auth_token,
         max_running=config.max_running,
         api=config.api,
+        load_wait=config.load_wait,
     ) as engine:
         messages.put({"kind": "ready", "worker": w})
         go.wait()

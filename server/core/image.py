@@ -16,7 +16,13 @@ What the image holds (the block-table rows are the given table, already shared):
 * per owner record, the session it is (its id, name and quota, written at Attach: what a
   resuming client names) and the sequence number of its last Step applied whole;
 * the undo record of the Step being applied (:mod:`.undo`): what the Step changed, as
-  it was before, so that a Step cut by a crash is undone, never half applied.
+  it was before, so that a Step cut by a crash is undone, never half applied;
+* with a host tier (``kvmem serve --host-memory``; ``host_pages`` > 0), per host page
+  the tier's facts (cached, key, parent key, depth, namespace, token ids, LRU sequence
+  number): its pages' bytes are in a kept file of their own (:mod:`.tier`). A host
+  page's facts are written after its bytes and before its flag, and its flag is
+  cleared before the page is reused: each page is whole or absent, whatever the
+  instant of a crash, and no Step's undo needs to know of the tier.
 
 What it does not hold: reference counts, the evictable queue, the key index and the
 per-owner accounting: :mod:`.restore` derives them from the above (O(pool), once). Nor
@@ -42,14 +48,16 @@ import numpy as np
 __all__ = ["MAGIC", "VERSION", "CoreImage", "ImageLayout", "ImageMismatch"]
 
 MAGIC = b"KVMCORE1"
-VERSION = 2
+VERSION = 3  # 3: host_pages in the header, the host tier's facts
 RID_BYTES = 256  # MAX_REQUEST_ID_BYTES in .slot_errors
 NS_BYTES = 1024  # a namespace's UTF-8 (at most 256 characters: sessions.MAX_NAMESPACE_CHARS)
 MAX_NAMESPACES = 4096
 SID_BYTES = 64  # a session id (ASCII; the server makes 32-character ones)
 NAME_BYTES = 1024  # a session's name, UTF-8 (at most 256 characters: sessions.MAX_NAME_CHARS)
 _ALIGN = 64
-_HEADER_INTS = ("version", "num_pages", "page_size", "max_requests", "width", "key_bytes", "max_owners")
+_HEADER_INTS = (
+    "version", "num_pages", "page_size", "max_requests", "width", "key_bytes", "max_owners", "host_pages",
+)  # fmt: skip
 _STATE_INTS = (
     "writer_pid", "num_free_pages", "num_free_slots", "next_owner", "num_namespaces",
     # the undo record (.undo): the Step's sequence number (0: none open), its owner's record, counts
@@ -75,6 +83,7 @@ class ImageLayout:
     width: int  # block-table columns
     key_bytes: int  # bytes of a page key
     max_owners: int
+    host_pages: int = 0  # the host tier's pages (kvmem serve --host-memory); 0: none
 
     def arrays(self) -> list[tuple[str, Any, tuple[int, ...]]]:
         slots, pages, k = self.max_requests + 2, self.num_pages, self.key_bytes
@@ -116,6 +125,14 @@ class ImageLayout:
             ("undo_page", np.int32, (slots * self.width,)),
             ("undo_inserted", np.int32, (pages,)),
             ("undo_evicted", np.int32, (pages,)),
+            # the host tier (empty without one)
+            ("host_cached", np.bool_, (self.host_pages,)),
+            ("host_key", np.uint8, (self.host_pages, k)),
+            ("host_parent", np.uint8, (self.host_pages, k)),
+            ("host_depth", np.int32, (self.host_pages,)),
+            ("host_ns", np.int32, (self.host_pages,)),
+            ("host_tokens", np.int32, (self.host_pages, self.page_size)),
+            ("host_lru", np.int64, (self.host_pages,)),
         ]
 
     def offsets(self) -> tuple[dict[str, tuple[int, Any, tuple[int, ...]]], int]:
@@ -182,6 +199,13 @@ class CoreImage:
         self.undo_page: np.ndarray
         self.undo_inserted: np.ndarray
         self.undo_evicted: np.ndarray
+        self.host_cached: np.ndarray
+        self.host_key: np.ndarray
+        self.host_parent: np.ndarray
+        self.host_depth: np.ndarray
+        self.host_ns: np.ndarray
+        self.host_tokens: np.ndarray
+        self.host_lru: np.ndarray
 
     @classmethod
     def create(cls, buffer: Any, layout: ImageLayout) -> CoreImage:

@@ -71,9 +71,10 @@ class KVCore:
         host_tier: HostTier | None = None,
         page_bytes: int = 0,
     ) -> None:
-        if host_tier is not None and (image is not None or not prefix_cache):
-            why = "a kept state image (--keep-state)" if image is not None else "the prefix cache off"
-            raise ValueError(f"a host tier cannot be used with {why}")
+        if host_tier is not None and not prefix_cache:
+            raise ValueError("a host tier cannot be used with the prefix cache off")
+        if host_tier is not None and image is not None:
+            host_tier.attach_image(image)  # its facts kept beside the pool's
         self.config = config
         self.image = image
         # A numbered Step's changes, before it makes them, so that a crash undoes it (see .undo).
@@ -439,8 +440,9 @@ class KVCore:
         loading = None if tier is None else tier.loading_device_pages()
         report = audit(self.config, self.pool, self.table, self.slots, self._quarantine, self.cache, loading)
         problems = self.tickets.problems()
-        if self.host_tier is not None:
-            problems += self.host_tier.audit(self.cache.index, set(self.cache.roots.values()))
+        if tier is not None:
+            namespaces = {tier.namespace[p] for p in tier.index.values()}
+            problems += tier.audit(self.cache.index, {self.cache.root(ns) for ns in namespaces})
         return dataclasses.replace(report, ok=False, problems=report.problems + tuple(problems)) if problems else report
 
     def _finish(self) -> None:

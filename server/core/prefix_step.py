@@ -372,8 +372,11 @@ def _load(
             kept = cache.insert(device.tolist(), load.keys[s : s + c], ids, state.namespace, parent, col)
             assert kept == device.tolist(), "a loaded page's key was cached on the device already"
             requests.attach_loaded(state, load.slot, col, device)
-            pool.share(device)  # the load's own reference, dropped when its copy ends
-            tier.load(load.host[s : s + c], device)
+            # The load's own reference, dropped when its copy ends: on its pages and the chain
+            # before them (a release meanwhile must not leave them without their parents).
+            held = requests.table.array[load.slot, : col + c].copy()
+            pool.share(held)
+            tier.load(load.host[s : s + c], device, held)
         lens[load.item] += (s + c) * ps
         cache.hit_tokens += (s + c) * ps
 

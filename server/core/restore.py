@@ -43,6 +43,7 @@ from kvmem.server.core.handoff import HOLDER_NAME
 from kvmem.server.core.hashing import PageKeys, XXH3Keys
 from kvmem.server.core.image import CoreImage, ImageLayout, ImageMismatch
 from kvmem.server.core.kvcore import KVCore
+from kvmem.server.core.tier import HostTier
 from kvmem.server.core.undo import pending, undo
 from kvmem.server.errors import CorruptionError
 
@@ -87,12 +88,19 @@ class Restoration:
 
 
 def layout_for(
-    config: CoreConfig, page_keys: PageKeys | None = None, max_owners: int = DEFAULT_MAX_OWNERS
+    config: CoreConfig, page_keys: PageKeys | None = None, max_owners: int = DEFAULT_MAX_OWNERS, host_pages: int = 0
 ) -> ImageLayout:
-    """The image layout of a core of ``config`` keyed by ``page_keys``."""
+    """The image layout of a core of ``config`` keyed by ``page_keys``, with a host
+    tier of ``host_pages`` pages (0: none)."""
     key_bytes = len((page_keys or XXH3Keys()).root(""))
     return ImageLayout(
-        config.num_pages, config.page_size, config.max_requests, config.max_pages_per_request, key_bytes, max_owners
+        config.num_pages,
+        config.page_size,
+        config.max_requests,
+        config.max_pages_per_request,
+        key_bytes,
+        max_owners,
+        host_pages,
     )
 
 
@@ -106,6 +114,8 @@ def restore(
     audit_every_step: bool = False,
     event_sink: Callable[[list[CacheEvent]], None] | None = None,
     max_owners: int = DEFAULT_MAX_OWNERS,
+    host_tier: HostTier | None = None,
+    page_bytes: int = 0,
 ) -> tuple[KVCore, Restoration]:
     """A core over the image in ``buffer`` and ``block_table`` (the previous process's),
     with its state: see the module's docstring. :class:`ImageMismatch` names what does
@@ -113,13 +123,15 @@ def restore(
     caller makes sure no process writes the image any more (the server: the kept
     state's lock, which a running server holds; a pid would not do, pids are reused)."""
     keys = page_keys or XXH3Keys()
-    layout = layout_for(config, keys, max_owners)
+    layout = layout_for(config, keys, max_owners, 0 if host_tier is None else host_tier.num_pages)
     old = CoreImage.open(buffer, layout)
     if block_table.shape != config.block_table_shape:
         raise ImageMismatch(
             f"the block table is {block_table.shape}, the image's geometry needs {config.block_table_shape}"
         )
     facts = _Facts(old, block_table, config, keys)
+    if host_tier is not None:
+        facts.read_tier(old, host_tier)
     core = KVCore(
         config,
         block_table,
@@ -128,6 +140,8 @@ def restore(
         page_keys=keys,
         event_sink=event_sink,
         image=CoreImage.create(buffer, layout),
+        host_tier=host_tier,
+        page_bytes=page_bytes,
     )
     report = facts.install(core, prefix_cache)
     found = core.audit()
@@ -186,6 +200,97 @@ class _Facts:
         self.lru = image.page_lru[c].copy()
         self.held_by = image.page_held_by.copy()
         self.free_pages = image.free_pages[: image.get("num_free_pages")].copy()
+        # The host tier's (read_tier): its cached pages, and the device pages a cut load left half copied.
+        self.host: np.ndarray | None = None
+        self.half_loaded = np.zeros(0, dtype=np.int64)
+        self.unreadable: set[int] = set()
+
+    # ------------------------------------------------------------- host tier
+
+    def read_tier(self, image: CoreImage, tier: HostTier) -> None:
+        """The host tier's facts, and the loads the crash cut: device pages whose load
+        counter never reached ``num_layers`` (their K/V half copied). Such a page is
+        copied in again from its host page when the host holds its key; else it is
+        uncached and the rows holding it are cut before it (its bytes are never read)."""
+        hc = np.flatnonzero(image.host_cached)
+        self.host = hc
+        self.host_key = [image.host_key[p].tobytes() for p in hc.tolist()]
+        self.host_parent = [image.host_parent[p].tobytes() for p in hc.tolist()]
+        self.host_depth = image.host_depth[hc].copy()
+        count = image.get("num_namespaces")
+        self.host_ns = [image.namespace_name(int(i)) if 0 <= i < count else None for i in image.host_ns[hc]]
+        self.host_tokens = image.host_tokens[hc].copy()
+        self.host_lru = image.host_lru[hc].copy()
+        counters, layers = tier.mover.counters, tier.mover.num_layers
+        self.half_loaded = np.flatnonzero(counters[: self.config.num_pages] < layers)
+        self.half_loaded = self.half_loaded[self.half_loaded > 0]
+
+    def _half_loaded(self, keep: np.ndarray) -> tuple[list[int], list[int]]:
+        """Of the cached device pages a cut load left half copied: those whose key the
+        host tier holds (copied in again after the install: their host pages) and the
+        others (uncached here; the rows holding them are cut before them). Returns
+        (device pages, host pages) to copy."""
+        half = self.half_loaded
+        if not half.size:
+            return [], []
+        assert self.host is not None
+        on_host = dict(zip(self.host_key, self.host.tolist(), strict=True))
+        position = {int(p): i for i, p in enumerate(self.cached.tolist())}
+        device, host, lost = [], [], 0
+        for page in half.tolist():
+            i = position.get(page)
+            if i is None or not keep[i]:
+                continue  # not cached (its load's Step was undone): free, never read
+            h = on_host.get(self.key[i])
+            if h is not None:
+                device.append(page)
+                host.append(h)
+            else:
+                keep[i] = False
+                self.unreadable.add(page)
+                lost += 1
+        if device:
+            self.repaired.append(f"{len(device)} page(s) a load left half copied copied in again from the host tier")
+        if lost:
+            self.repaired.append(f"{lost} page(s) a load left half copied, not on the host tier, uncached")
+        return device, host
+
+    def _install_tier(self, tier: HostTier, device_keys: set[bytes]) -> None:
+        """The host tier's pages whose chains are whole (parents first: a parent a root,
+        cached on the device, or kept here), least recently used first."""
+        if self.host is None or not self.host.size:
+            return
+        kept: list[int] = []
+        on_host: set[bytes] = set()
+        roots: dict[str, bytes] = {}
+        for i in np.argsort(self.host_depth, kind="stable").tolist():
+            ns, key, parent = self.host_ns[i], self.host_key[i], self.host_parent[i]
+            if ns is None or key in on_host:
+                continue
+            if ns not in roots:
+                roots[ns] = self.keys.root(ns)
+            ok = parent == roots[ns] if self.host_depth[i] == 0 else parent in on_host or parent in device_keys
+            if ok:
+                kept.append(i)
+                on_host.add(key)
+        dropped = self.host.size - len(kept)
+        if dropped:
+            self.repaired.append(f"{dropped} host-tier page(s) of broken chains dropped")
+        pos = chain_safe_order(
+            [self.host_key[i] for i in kept],
+            [self.host_parent[i] for i in kept],
+            self.host_depth[kept],
+            self.host_lru[kept],
+        )
+        order = [kept[i] for i in pos.tolist()]
+        tier.install(
+            self.host[order],
+            [self.host_key[i] for i in order],
+            [self.host_parent[i] for i in order],
+            [str(self.host_ns[i]) for i in order],
+            self.host_tokens[order],
+            self.host_depth[order],
+        )
 
     # ------------------------------------------------------------------ cache
 
@@ -249,6 +354,7 @@ class _Facts:
             self.repaired.append(f"{int(np.count_nonzero(short))} length(s) cut to the pages their rows hold")
             lengths[short] = have[short] * ps
         self._one_row_per_page(open_slots, cached_mask)
+        self._cut_unreadable(open_slots)
         need = (lengths + ps - 1) // ps
         past = np.arange(width)[None, :] >= need[:, None]
         stray = past & (rows != 0)
@@ -277,6 +383,23 @@ class _Facts:
         if cut:
             self.repaired.append(f"{cut} row(s) cut before a page another row holds")
 
+    def _cut_unreadable(self, open_slots: np.ndarray) -> None:
+        """Rows holding a page a cut load left half copied (and the host tier lost)
+        end before it: its bytes are never read."""
+        bad = self.unreadable
+        if not bad:
+            return
+        ps, cut = self.config.page_size, 0
+        for s in open_slots.tolist():
+            n = -(-int(self.lengths[s]) // ps)
+            for col, page in enumerate(self.rows[s, :n].tolist()):
+                if page in bad:
+                    self.lengths[s] = col * ps
+                    cut += 1
+                    break
+        if cut:
+            self.repaired.append(f"{cut} row(s) cut before a page a load left half copied")
+
     # ---------------------------------------------------------------- install
 
     def install(self, core: KVCore, prefix_cache: bool) -> Restoration:
@@ -284,6 +407,7 @@ class _Facts:
         keep = self._chains() if prefix_cache else np.zeros(self.cached.size, dtype=bool)
         if not prefix_cache and self.cached.size:
             self.repaired.append(f"{self.cached.size} cached page(s) dropped: this server runs without a prefix cache")
+        recopy = self._half_loaded(keep)
         open_slots = self._requests(keep)
         lengths = self.lengths[open_slots]
         need = (lengths + ps - 1) // ps
@@ -327,9 +451,11 @@ class _Facts:
             core.install_seq(owner, seq)
             sessions.append(RestoredSession(owner, sid, name, quota, namespace, seq))
         if cached.size:
-            order = np.argsort(self.lru[keep], kind="stable")
-            evictable = cached[order][ref[cached[order]] == 0]
             kept = np.flatnonzero(keep)
+            order = chain_safe_order(
+                [self.key[i] for i in kept], [self.parent[i] for i in kept], self.depth[keep], self.lru[keep]
+            )
+            evictable = cached[order][ref[cached[order]] == 0]
             core.cache.install(
                 cached,
                 [self.key[i] for i in kept],
@@ -339,6 +465,13 @@ class _Facts:
                 self.tokens[keep],
                 evictable.astype(np.int32),
             )
+        tier = core.host_tier
+        if tier is not None and self.host is not None:
+            self._install_tier(tier, set(core.cache.index))
+            device, host = recopy
+            if device:  # now, before anyone reads them (the server does not serve yet)
+                tier.mover.copy_now(np.array(host, dtype=np.int64), np.array(device, dtype=np.int64))
+            tier.mover.counters[:] = tier.mover.num_layers
         return Restoration(
             len(owners),
             int(open_slots.size),
@@ -349,6 +482,22 @@ class _Facts:
             tuple(sessions),
             self.undone,
         )
+
+
+def chain_safe_order(keys: list[bytes], parents: list[bytes], depth: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """An eviction order (least recently used first) of cached pages in which a page
+    never comes before a descendant of it: each page's last use, lifted to its latest
+    descendant's, then deeper pages first among equals. The order a running server keeps
+    (a parent is used whenever its child is), but a restored state may not carry it
+    whole: pages a row or a load held had no place in the queue when the process
+    ended. Returns positions. O(n log n), once per start."""
+    eff = seq.astype(np.int64).copy()
+    where = {key: i for i, key in enumerate(keys)}
+    for i in np.argsort(-depth, kind="stable").tolist():  # children before their parents
+        up = where.get(parents[i])
+        if up is not None and eff[up] < eff[i]:
+            eff[up] = eff[i]
+    return np.lexsort((-depth.astype(np.int64), eff))
 
 
 def _keep_order(old: np.ndarray, want: np.ndarray) -> np.ndarray:

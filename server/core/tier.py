@@ -51,6 +51,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvmem.server.core.events import CacheEvent, PagesRemoved, PagesStored
+from kvmem.server.core.image import CoreImage
 
 # The events' medium (vLLM's BlockStored / BlockRemoved ``medium``): where the page is.
 DEVICE, HOST = "GPU", "CPU"
@@ -70,6 +71,8 @@ class PageMover(Protocol):
     def to_host(self, device_pages: np.ndarray, host_pages: np.ndarray) -> None: ...
 
     def start_load(self, host_pages: np.ndarray, device_pages: np.ndarray, token: Any) -> None: ...
+
+    def copy_now(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None: ...
 
     def load_stats(self) -> tuple[float, float, float]: ...
 
@@ -100,10 +103,14 @@ class HostTier:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # the top is the end: 0, 1, 2... first
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
         self._pinned: dict[int, int] = {}  # page -> the loads (and calls) that pin it
-        # Loads in copy: their host pages (pinned) and device pages (one reference each, the load's).
-        self.loading: dict[int, tuple[list[int], np.ndarray]] = {}
+        # Loads in copy: their host pages (pinned), device pages, and the pages the load holds
+        # a reference on (its device pages and the chain before them in the row).
+        self.loading: dict[int, tuple[list[int], np.ndarray, np.ndarray]] = {}
         self.num_loading_pages = 0
         self._next_load = 0
+        # The state image (kvmem serve --keep-state) the tier keeps its facts in; None: none.
+        self.image: CoreImage | None = None
+        self._seq = 0  # the LRU order's clock, kept in the image
         self.events: list[CacheEvent] = []  # since the device cache last took them (take_events)
         # Since start.
         self.num_demoted = 0  # pages copied to the host
@@ -180,7 +187,7 @@ class HostTier:
                     held.append(have)
                 else:
                     del index[key]
-                    self._free.append(have)
+                    self._release(have)
                     gone.append(key)
                     lost.add(key)
         if lost:
@@ -195,7 +202,15 @@ class HostTier:
             picked = np.array(new, dtype=np.intp)
             self.mover.to_host(device_pages[picked], np.array(host, dtype=np.int64))
         placed = dict(zip(new, host, strict=True))
+        image = self.image
+        if new and image is not None:  # the facts after the bytes, the flags last
+            if image.page_cached.take(device_pages[picked]).all():  # the pool's facts, in the image already
+                self._copy_facts(np.array(host, dtype=np.intp), device_pages[picked])
+            else:  # some were cached in this very call (their facts reach the image at its end)
+                self._write_facts(host, [keys[i] for i in new], [parents[i] for i in new],
+                                  [namespaces[i] for i in new], [tokens[i] for i in new], depths[picked])  # fmt: skip
         held_set = set(held)
+        used: list[int] = []  # in the LRU order's new order, written to the image at once
         for i, key in enumerate(keys):  # in the batch's order: a chain's end first, its parents after
             page = placed.get(i)
             if page is None:
@@ -203,6 +218,7 @@ class HostTier:
                 if have is not None and have in held_set:
                     del pinned[have]
                     lru[have] = None
+                    used.append(have)
                 continue
             index[key] = page
             self.key[page] = key
@@ -211,9 +227,98 @@ class HostTier:
             self.tokens[page] = tokens[i]
             self.depth[page] = depths[i]
             lru[page] = None
+            used.append(page)
             parent = None if depths[i] == 0 else parents[i]
             self.events.append(PagesStored([key], parent, tokens[i], self.page_size, namespaces[i], HOST))
+        if image is not None and used:
+            image.host_lru[used] = np.arange(self._seq + 1, self._seq + 1 + len(used))
+            self._seq += len(used)
         self.num_demoted += len(new)
+
+    def _used(self, page: int) -> None:
+        """``page`` is the most recently used (the LRU order's end; the image's clock)."""
+        self._lru[page] = None
+        if self.image is not None:
+            self._seq += 1
+            self.image.host_lru[page] = self._seq
+
+    def _release(self, page: int) -> None:
+        """``page`` is free (its image flag cleared before anyone can reuse it)."""
+        if self.image is not None:
+            self.image.host_cached[page] = False
+        self._free.append(page)
+
+    def _write_facts(
+        self,
+        pages: list[int],
+        keys: list[bytes],
+        parents: list[bytes],
+        namespaces: list[str],
+        tokens: list[np.ndarray],
+        depths: np.ndarray,
+    ) -> None:
+        """New host pages (their bytes copied) into the image: one scatter per fact,
+        then the flags. O(pages)."""
+        image = self.image
+        assert image is not None
+        at = np.array(pages, dtype=np.intp)
+        width = image.layout.key_bytes
+        image.host_key[at] = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, width)
+        image.host_parent[at] = np.frombuffer(b"".join(parents), np.uint8).reshape(-1, width)
+        image.host_depth[at] = depths
+        image.host_ns[at] = [image.namespace_id(ns) for ns in namespaces]
+        image.host_tokens[at] = np.stack(tokens)
+        image.host_cached[at] = True
+
+    def _copy_facts(self, host: np.ndarray, device: np.ndarray) -> None:
+        """New host pages' facts from their device pages' in the image (written there
+        when they were cached, not yet cleared by their eviction): a gather and a
+        scatter per fact, then the flags. O(pages)."""
+        image = self.image
+        assert image is not None
+        image.host_key[host] = image.page_key[device]
+        image.host_parent[host] = image.page_parent[device]
+        image.host_depth[host] = image.page_depth[device]
+        image.host_ns[host] = image.page_ns[device]
+        image.host_tokens[host] = image.page_tokens[device]
+        image.host_cached[host] = True
+
+    def attach_image(self, image: CoreImage) -> None:
+        """Keep the tier's facts in ``image`` from now on (a fresh one, or a restored
+        one once :meth:`install` filled it)."""
+        if image.layout.host_pages != self.num_pages:
+            raise ValueError(
+                f"the state image holds {image.layout.host_pages} host pages, this host tier has {self.num_pages}"
+            )
+        self.image = image
+
+    def install(
+        self,
+        pages: np.ndarray,
+        keys: list[bytes],
+        parents: list[bytes],
+        namespaces: list[str],
+        tokens: np.ndarray,
+        depths: np.ndarray,
+    ) -> None:
+        """A restored tier (:mod:`.restore`): host ``pages`` (least recently used first)
+        cached under ``keys`` with their facts, their chains checked already; every
+        other page free. Written into the image too. O(host pages), once."""
+        for page, key, parent, ns, toks, depth in zip(
+            pages.tolist(), keys, parents, namespaces, tokens, depths.tolist(), strict=True
+        ):
+            self.index[key] = page
+            self.key[page] = key
+            self.parent[page] = parent
+            self.namespace[page] = ns
+            self.tokens[page] = toks.copy()
+            self.depth[page] = depth
+        taken = set(pages.tolist())
+        self._free = [p for p in range(self.num_pages - 1, -1, -1) if p not in taken]
+        if self.image is not None and pages.size:
+            self._write_facts(pages.tolist(), keys, parents, namespaces, list(tokens), depths)
+        for page in pages.tolist():
+            self._used(page)
 
     def _orphans(self, lost: set[bytes]) -> list[bytes]:
         """Evict the host pages whose chain goes through a key in ``lost`` (and their
@@ -230,7 +335,7 @@ class HostTier:
             for key, page in orphans:
                 del self.index[key]
                 self._lru.pop(page, None)
-                self._free.append(page)
+                self._release(page)
                 gone.append(key)
                 lost.add(key)
         return gone
@@ -247,7 +352,7 @@ class HostTier:
             key = self.key[page]
             del index[key]
             gone.append(key)
-            self._free.append(page)
+            self._release(page)
         self.num_evicted += short
         self.events.append(PagesRemoved(gone, HOST))
 
@@ -282,21 +387,22 @@ class HostTier:
             count = self._pinned.get(page)
             if count == 1:
                 del self._pinned[page]
-                self._lru[page] = None
+                self._used(page)
             elif count is not None:
                 self._pinned[page] = count - 1
 
-    def load(self, host_pages: list[int], device_pages: np.ndarray) -> None:
+    def load(self, host_pages: list[int], device_pages: np.ndarray, held: np.ndarray) -> None:
         """Have pinned ``host_pages`` (one chain's run, first page first) copied into
-        ``device_pages`` on the copy thread; they stay pinned until
-        :meth:`finished` hands the load back (the caller holds a reference on
-        ``device_pages`` until then). O(pages)."""
+        ``device_pages`` on the copy thread; they stay pinned until :meth:`finished`
+        hands the load back. The caller holds a reference on ``held`` until then: the
+        device pages and every page of the chain before them (a parent is never
+        evicted from under a child the load holds). O(pages)."""
         if not host_pages:
             return
         n = len(host_pages)
         token = self._next_load
         self._next_load += 1
-        self.loading[token] = (host_pages, device_pages)
+        self.loading[token] = (host_pages, device_pages, held)
         self.num_loading_pages += n
         self.num_loaded += n
         self.hit_tokens += n * self.page_size
@@ -305,22 +411,22 @@ class HostTier:
     def finished(self) -> list[np.ndarray]:
         """The loads the copy thread has finished since the last call: their host pages
         are used now (back in the LRU order as the most recent, the run's first page
-        last, so a parent stays more recent than its child); returns each one's device
-        pages, whose load reference the caller drops. O(pages)."""
+        last, so a parent stays more recent than its child); returns the pages each
+        one held, whose load reference the caller drops. O(pages)."""
         done = self.mover.finished
         out: list[np.ndarray] = []
         while done:
-            host, device = self.loading.pop(done.popleft())
+            host, _, held = self.loading.pop(done.popleft())
             self.num_loading_pages -= len(host)
             self.unpin(host)
-            out.append(device)
+            out.append(held)
         return out
 
     def loading_device_pages(self) -> np.ndarray:
-        """The device pages of the loads in copy (each holds one reference of its load's). O(pages)."""
+        """The pages the loads in copy hold a reference on (one each, per load). O(pages)."""
         if not self.loading:
             return np.zeros(0, dtype=np.int32)
-        return np.concatenate([d for _, d in self.loading.values()]).astype(np.int32)
+        return np.concatenate([held for _, _, held in self.loading.values()]).astype(np.int32)
 
     def snapshot(self) -> list[CacheEvent]:
         """A ``PagesStored`` (medium "CPU") per cached host page, parents before
@@ -355,7 +461,7 @@ class HostTier:
         pinned = set(self._pinned)
         if lru | pinned != cached or lru & pinned:
             problems.append("host tier: the LRU order and the pinned pages do not cover the cached pages once each")
-        in_copy = [h for host, _ in self.loading.values() for h in host]
+        in_copy = [h for host, _, _ in self.loading.values() for h in host]
         if len(in_copy) != self.num_loading_pages or self._pinned != collections.Counter(in_copy):
             problems.append(
                 f"host tier: {len(in_copy)} pages in copy ({self.num_loading_pages} by the count), "

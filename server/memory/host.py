@@ -90,7 +90,9 @@ class HostPages:
     ``geometry``), the copies both ways, and the copy thread that makes the loads.
 
     ``counters``: the int32 ``[num_device_pages]`` load counters (a view into the
-    block-table file; None: an array of its own), set to ``num_layers`` here."""
+    block-table file; None: an array of its own), set to ``num_layers`` here unless
+    ``reopened``. ``host``: the host pages' memory (a flat ``uint8`` array per rank: a
+    kept file, ``--keep-state``); None: memory of its own."""
 
     def __init__(
         self,
@@ -99,6 +101,8 @@ class HostPages:
         num_device_pages: int,
         num_pages: int,
         counters: np.ndarray | None = None,
+        host: list[np.ndarray] | None = None,
+        reopened: bool = False,
     ) -> None:
         planes = planes_of(geometry)
         row = geometry.page_bytes // planes
@@ -107,12 +111,18 @@ class HostPages:
         self.num_layers = geometry.num_layers
         self._planes_per_layer = planes // geometry.num_layers
         self._device = [d.reshape(planes, num_device_pages, row) for d in device]
-        self._host = [np.empty((num_pages, planes, row), dtype=np.uint8) for _ in device]
+        if host is None:
+            self._host = [np.empty((num_pages, planes, row), dtype=np.uint8) for _ in device]
+        else:  # kept memory (--keep-state): a flat uint8 array per rank
+            if len(host) != len(device) or any(h.size != num_pages * geometry.page_bytes for h in host):
+                raise ValueError(f"host memory must be {num_pages} pages of {geometry.page_bytes} bytes per rank")
+            self._host = [h.reshape(num_pages, planes, row) for h in host]
         if counters is None:
             counters = np.empty(num_device_pages, dtype=np.int32)
         if counters.shape != (num_device_pages,) or counters.dtype != np.int32:
             raise ValueError(f"load counters must be int32 [{num_device_pages}], got {counters.dtype} {counters.shape}")
-        counters[:] = self.num_layers
+        if not reopened:  # a kept state's counters say which loads a crash cut (.restore reads them)
+            counters[:] = self.num_layers
         self.counters = counters
         # Loads the copy thread finished, their tokens in order; the core's thread takes them.
         self.finished: collections.deque[Any] = collections.deque()
@@ -124,6 +134,7 @@ class HostPages:
         self._pending = 0  # loads queued and not finished
         # Tests hold the copy thread between layers (hold / allow / resume); None: it runs.
         self._permits: threading.Semaphore | None = None
+        self._abandoned = False  # tests: the process "died" with loads held (abandon)
         # Recent loads: (pages, seconds from start_load to the last layer, seconds copying).
         self._recent: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=1024)
 
@@ -159,6 +170,8 @@ class HostPages:
                 self._copy_in(host_pages.tolist(), device_pages.tolist(), device_pages)
             except Exception:  # the memory was closed under it: its readers time out
                 log.exception("host tier: a load of %d page(s) failed; its pages stay unreadable", host_pages.size)
+            if self._abandoned:
+                return
             done = time.perf_counter()
             self._recent.append((int(host_pages.size), done - queued, done - started))
             self.finished.append(token)
@@ -177,11 +190,18 @@ class HostPages:
             permits = self._permits
             if permits is not None:
                 permits.acquire()
+            if self._abandoned:
+                return
             lo, hi = layer * k, layer * k + k
             for dev, hst in zip(self._device, self._host, strict=True):
                 for h, d in zip(host, device, strict=True):
                     dev[lo:hi, d] = hst[h, lo:hi]
             counters[device_pages] = layer + 1
+
+    def copy_now(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
+        """Copy ``host_pages`` into ``device_pages`` in the calling thread, every layer
+        (a restart copying again what a crash cut; nothing reads them meanwhile)."""
+        self._copy_in(host_pages.tolist(), device_pages.tolist(), device_pages)
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Until every load started has finished (tests, tools, shutdown)."""
@@ -203,6 +223,18 @@ class HostPages:
         permits, self._permits = self._permits, None
         if permits is not None:
             permits.release(1 << 20)
+
+    def abandon(self) -> None:
+        """Tests: the process died with loads held in copy: the copy thread ends without
+        copying another layer (what a killed server's does), its loads never finished."""
+        self._abandoned = True
+        thread, self._thread = self._thread, None
+        permits, self._permits = self._permits, None
+        if thread is not None:
+            self._queue.put(None)
+            if permits is not None:
+                permits.release(1 << 20)
+            thread.join(timeout=10)
 
     def load_stats(self) -> tuple[float, float, float]:
         """Recent loads (the last 1024): time from start to last layer, p50 and p99 in

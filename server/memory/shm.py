@@ -199,6 +199,7 @@ class ShmBackend(MemoryBackend):
         state_bytes: int = 0,
         log_bytes: int = 0,
         load_counters: bool = False,
+        host_bytes: int = 0,
     ) -> None:
         _check_prefix(prefix)
         if mode & ~0o660 or mode & 0o600 != 0o600:
@@ -214,7 +215,7 @@ class ShmBackend(MemoryBackend):
         # --host-memory: the host tier's load counters, int32 per page after the table (see
         # kvmem.server.memory.host): in the file clients map already.
         counter_bytes = 4 * pool.num_pages if load_counters else 0
-        self._needed = kv_bytes + bt_bytes + counter_bytes + state_bytes
+        self._needed = kv_bytes + bt_bytes + counter_bytes + state_bytes + host_bytes
         lock_fd, base = (
             self._create_lock(directory, prefix) if keep is None else self._kept_lock(directory, prefix, keep)
         )
@@ -226,11 +227,15 @@ class ShmBackend(MemoryBackend):
         # The step log (kvmem.server.steplog), beside the state: sparse, never reserved (a
         # region per session, mostly untouched).
         self.log_path = base + ".sl" if keep is not None and log_bytes > 0 else None
+        # The host tier's pages (--host-memory with --keep-state): kept beside the pool.
+        self.host_path = base + ".ht" if keep is not None and host_bytes > 0 else None
         sizes = {self.kv_path: kv_bytes, self.block_table_path: bt_bytes + counter_bytes}
         if self.state_path is not None:
             sizes[self.state_path] = state_bytes
         if self.log_path is not None:
             sizes[self.log_path] = log_bytes
+        if self.host_path is not None:
+            sizes[self.host_path] = host_bytes
         # Unlinked in this order: data first, the lock last (see remove_stale); a kept state never.
         self._finalizer = weakref.finalize(
             self, _close_shm_files, (*sizes, self.lock_path), lock_fd, os.getpid(), keep is not None
@@ -249,7 +254,10 @@ class ShmBackend(MemoryBackend):
                 if self.reopened:
                     maps[path] = self._map_existing(path, size)
                 else:
-                    maps[path] = self._create_and_map(path, size, reserve and path != self.log_path)
+                    # Never reserved: the step log (mostly untouched) and the host tier (touched as
+                    # pages are demoted; --host-memory's size was checked against the host).
+                    sparse = path in (self.log_path, self.host_path)
+                    maps[path] = self._create_and_map(path, size, reserve and not sparse)
         except BaseException:
             self._finalizer()
             raise
@@ -257,6 +265,10 @@ class ShmBackend(MemoryBackend):
         # The state image's mapping (--keep-state): the core keeps its state there.
         self.state: mmap.mmap | None = None if self.state_path is None else maps[self.state_path]
         self.step_log: mmap.mmap | None = None if self.log_path is None else maps[self.log_path]
+        # The host tier's pages, flat bytes (None: not kept, the tier has memory of its own).
+        self.host_raw: np.ndarray | None = (
+            None if self.host_path is None else np.frombuffer(maps[self.host_path], dtype=np.uint8)
+        )
         # The KV bytes, flat (the server sizes them but never reads them); this array and
         # block_table keep the two mappings alive. None once closed.
         self._kv_raw: np.ndarray | None = np.frombuffer(kv_map, dtype=np.uint8)
@@ -436,3 +448,4 @@ class ShmBackend(MemoryBackend):
         self._kv_raw = None
         self._kv = None
         self.load_counters = None
+        self.host_raw = None

@@ -36,6 +36,7 @@ from kvmem.server.process.startup import (
     allocate,
     check_config,
     grpc_reason,
+    host_tier_pages,
     plan_tls,
 )
 from kvmem.server.process.tuning import keep_freed_memory
@@ -83,7 +84,8 @@ class KVMemServer:
         created (socket file, shm files, metrics listener) before raising."""
         cfg = self.config
         core_cfg, pool, devices, metrics_at, page_keys = check_config(cfg)
-        self._layout = layout_for(core_cfg, page_keys, cfg.max_sessions) if cfg.keep_state else None
+        host_pages = host_tier_pages(cfg, pool)
+        self._layout = layout_for(core_cfg, page_keys, cfg.max_sessions, host_pages) if cfg.keep_state else None
         try:
             await self._listen()
             self.memory = await self._allocate_waiting(pool, devices)
@@ -313,7 +315,11 @@ class KVMemServer:
         num_pages = check_host_memory(parse_size(text, "--host-memory"), geometry, memory.num_ranks, text)
         raw = [memory.kv_raw(rank) for rank in range(memory.num_ranks)]  # type: ignore[attr-defined]
         counters = getattr(memory, "load_counters", None)  # in the block-table file clients map
-        mover = HostPages(raw, geometry, core_cfg.num_pages, num_pages, counters)
+        kept = getattr(memory, "host_raw", None)  # --keep-state: the tier's pages in a kept file
+        reopened = kept is not None and bool(getattr(memory, "reopened", False))
+        mover = HostPages(
+            raw, geometry, core_cfg.num_pages, num_pages, counters, None if kept is None else [kept], reopened
+        )
         # The copy thread says when a load has ended; the loop drops its references (the core is the loop's).
         loop = asyncio.get_running_loop()
 

@@ -118,8 +118,8 @@ def add_parser(sub: Any, name: str = "serve") -> None:
         "a host-memory tier of this size per device (e.g. 16GiB): cached pages the pool evicts are copied "
         "there (write-back) and a match that reaches them loads them back instead of prefilling them again; "
         "one index over both tiers, shared by every session. Size it at 2-4x the device pool (--memory) for "
-        "multi-turn chat; each page costs its KV bytes (kvmem serve logs the page size). Off by default; "
-        "cpu device, prefix cache on, no --keep-state",
+        "multi-turn chat; each page costs its KV bytes (kvmem serve logs the page size). With --keep-state the "
+        "tier's pages are a file in --shm-dir, kept with the pool. Off by default; cpu device, prefix cache on",
         _size,
     )
     option(

@@ -26,6 +26,7 @@ from kvmem.server.memory import (
     MemoryUnavailable,
     PoolSpec,
     ShmBackend,
+    format_size,
     pages_for_budget,
     parse_size,
 )
@@ -200,6 +201,7 @@ def allocate(
                 state_bytes=state_bytes,
                 log_bytes=log_bytes,
                 load_counters=cfg.host_memory is not None,
+                host_bytes=host_tier_pages(cfg, pool) * pool.geometry.page_bytes if cfg.keep_state else 0,
             )
         except OSError as exc:  # a missing or unwritable directory (a full one is a GeometryError)
             raise StartupError(f"--shm-dir {cfg.shm_dir}: {exc}") from None
@@ -449,13 +451,29 @@ def _check_host_memory(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ..
             f"--host-memory is not available with {_device_option(cfg)} yet: the host tier copies pages of the CPU "
             "pool (--device cpu) only"
         )
-    if cfg.keep_state:
-        raise StartupError("--host-memory cannot be combined with --keep-state yet: the host tier is not kept")
     if not cfg.prefix_cache:
         raise StartupError("--host-memory keeps pages the prefix cache evicts: it needs the prefix cache on")
     if cfg.host_min_load_tokens < 1:
         raise StartupError(f"--host-min-load-tokens must be >= 1, got {cfg.host_min_load_tokens}")
     try:
-        check_host_memory(parse_size(cfg.host_memory, "--host-memory"), pool.geometry, 1, cfg.host_memory)
+        pages = check_host_memory(parse_size(cfg.host_memory, "--host-memory"), pool.geometry, 1, cfg.host_memory)
     except GeometryError as exc:
         raise StartupError(str(exc)) from None
+    if cfg.keep_state and os.path.isdir(cfg.shm_dir):  # kept: the tier's pages are a file there, beside the pool
+        st = os.statvfs(cfg.shm_dir)
+        need, total = pages * pool.geometry.page_bytes + pool.kv_bytes, st.f_blocks * st.f_frsize
+        if need > total:
+            raise StartupError(
+                f"--host-memory {cfg.host_memory} with --keep-state keeps the tier's pages in --shm-dir "
+                f"{cfg.shm_dir}: the pool and the tier need {format_size(need)}, it holds {format_size(total)} in all "
+                "(docker run --shm-size)"
+            )
+
+
+def host_tier_pages(cfg: ServerConfig, pool: PoolSpec) -> int:
+    """The host tier's pages per rank (0: none): ``--host-memory`` over a page's bytes."""
+    if cfg.host_memory is None:
+        return 0
+    from kvmem.server.memory.host import pages_for
+
+    return pages_for(parse_size(cfg.host_memory, "--host-memory"), pool.geometry)

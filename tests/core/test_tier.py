@@ -10,6 +10,8 @@ gives."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -396,3 +398,108 @@ def test_tier_a_host_tier_whose_pages_are_all_in_copy_drops_evictions_and_never_
     finally:
         p.mover.resume()
     p.check(slot, prompt)
+
+
+# --------------------------------------------------------------- a kept state (--keep-state)
+
+
+class KeptPool(Pool):
+    """A :class:`Pool` whose core keeps a state image, its host pages in memory of the
+    test's (what the kept files are to a server), so that :meth:`restart` can build
+    another core over the same image, table, counters and host pages, as a restarted
+    server does (:func:`kvmem.server.core.restore.restore`)."""
+
+    def __init__(self, num_pages: int = 9, host_pages: int = 16) -> None:
+        from kvmem.server.core.image import CoreImage
+        from kvmem.server.core.restore import layout_for
+
+        spec = PoolSpec(GEOMETRY, num_pages, 8, 32)
+        self.raw = np.zeros(spec.kv_bytes, dtype=np.uint8)
+        self.host_raw = np.zeros(host_pages * GEOMETRY.page_bytes, dtype=np.uint8)
+        self.counters = np.zeros(num_pages, dtype=np.int32)
+        self.table = np.zeros((9, 8), dtype=np.int32)
+        self.cfg = CoreConfig(num_pages=num_pages, page_size=PS, max_requests=8, max_context_len=32)
+        self.layout = layout_for(self.cfg, host_pages=host_pages)
+        self.buf = bytearray(self.layout.size)
+        self.events: list = []
+        self.num_pages, self.host_pages = num_pages, host_pages
+        self.mover = HostPages([self.raw], GEOMETRY, num_pages, host_pages, self.counters, [self.host_raw])
+        self.tier = HostTier(host_pages, PS, self.mover)
+        self.core = KVCore(
+            self.cfg,
+            self.table,
+            audit_every_step=True,
+            event_sink=self.events.extend,
+            image=CoreImage.create(self.buf, self.layout),
+            host_tier=self.tier,
+            page_bytes=GEOMETRY.page_bytes,
+        )
+        self.owner = self.core.add_owner()
+        self.loads = PageLoads(self.mover.counters, GEOMETRY.num_layers, PS)
+        self.slots = self.raw.reshape(planes_of(GEOMETRY), num_pages * PS, -1)
+
+    def restart(self) -> Any:
+        """A new process's core over the kept state (the old one is gone, its copy thread
+        with it: held ones never run again). Returns the restoration."""
+        from kvmem.server.core.restore import restore
+
+        self.mover.abandon()  # the old process's copy thread: its loads in copy never finish
+        self.mover = HostPages(
+            [self.raw], GEOMETRY, self.num_pages, self.host_pages, self.counters, [self.host_raw], reopened=True
+        )
+        self.tier = HostTier(self.host_pages, PS, self.mover)
+        self.core, restoration = restore(
+            self.cfg, self.table, self.buf, audit_every_step=True, host_tier=self.tier, page_bytes=GEOMETRY.page_bytes
+        )
+        self.owner = max(self.core.owner_ids())
+        self.loads = PageLoads(self.mover.counters, GEOMETRY.num_layers, PS)
+        return restoration
+
+
+def test_tier_a_restart_with_the_state_kept_keeps_the_host_tier_and_its_index() -> None:
+    p = KeptPool()
+    prompt = tokens(12, 100)
+    _evicted_prefix(p, prompt)
+    r = p.restart()
+    assert r.repaired == (), r.repaired
+    st = p.core.stats()
+    assert (st.host.num_cached_pages, st.host.num_free_pages, st.num_cached_pages) == (3, 13, 0)
+    slot, matched = p.match("again", prompt)  # from the host tier the last process filled
+    assert matched == 12
+    p.check(slot, prompt)
+    assert p.core.audit().ok
+
+
+def test_tier_a_restart_during_loads_copies_them_again_and_nothing_is_read_early() -> None:
+    p = KeptPool()
+    prompt = tokens(12, 100)
+    _evicted_prefix(p, prompt)
+    p.mover.hold()  # the load never finishes: the process dies with it in copy
+    (slot,) = p.core.open(p.owner, ["c"]).tolist()
+    res = p.core.step(p.owner, StepBatch.of(match=[(slot, prompt)]), seq=1)
+    p.core.commit(1)
+    assert res.match_loading.tolist() == [12]
+    pages = p.core.block_table[slot, :3].copy()
+    assert p.counters[pages].tolist() == [0, 0, 0]  # what a reader sees: not one layer in
+    r = p.restart()
+    assert any("copied in again from the host tier" in line for line in r.repaired), r.repaired
+    assert p.loads.ready(pages.astype(np.int64))  # copied before the server serves
+    assert p.core.block_table[slot, :3].tolist() == pages.tolist() and p.core.alloced_len(p.owner, slot) == 12
+    p.check(slot, prompt)
+    assert p.core.audit().ok
+
+
+def test_tier_a_restart_during_a_load_whose_host_page_is_gone_cuts_the_rows_before_it() -> None:
+    p = KeptPool()
+    prompt = tokens(12, 100)
+    _evicted_prefix(p, prompt)
+    p.mover.hold()
+    (slot,) = p.core.open(p.owner, ["c"]).tolist()
+    p.core.step(p.owner, StepBatch.of(match=[(slot, prompt)]), seq=1)
+    p.core.commit(1)
+    p.core.image.host_cached[:] = False  # a torn image: the host tier's facts lost
+    r = p.restart()
+    assert any("not on the host tier, uncached" in line for line in r.repaired), r.repaired
+    assert p.core.alloced_len(p.owner, slot) == 0  # its row ends before the half-copied pages
+    st = p.core.stats()
+    assert (st.num_cached_pages, st.host.num_cached_pages) == (0, 0) and p.core.audit().ok

@@ -9,7 +9,9 @@ request's K/V, read through its row, is what was written for its tokens at their
 positions: a page matched from either tier is never another's, never stale, never
 half-copied. The copy thread is held and resumed at random, so loads stay in copy
 across calls (released, evicted around, matched again meanwhile), and a reader reads
-only what the load counters say is in."""
+only what the load counters say is in. With the state kept, the process dies at random
+(loads in copy included) and another takes the state over: every page of both tiers
+is still accounted for and every running request's K/V still what was written."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from hypothesis import strategies as st
 
 from kvmem.client.loads import PageLoads
 from kvmem.server.core import AllocStatus, CoreConfig, KVCore, StepBatch
+from kvmem.server.core.image import CoreImage
+from kvmem.server.core.restore import layout_for, restore
 from kvmem.server.core.tier import HostTier
 from kvmem.server.memory.geometry import KVGeometry, PoolSpec
 from kvmem.server.memory.host import HostPages, planes_of
@@ -33,17 +37,29 @@ def pattern(token: int, position: int, plane: int, width: int) -> np.ndarray:
 
 
 class World:
-    def __init__(self, num_pages: int, host_pages: int, write_through: bool = False) -> None:
+    """A core with a host tier; ``kept``: its state kept in an image (``--keep-state``),
+    its host pages, load counters and block table in memory a restart takes over."""
+
+    def __init__(self, num_pages: int, host_pages: int, write_through: bool = False, kept: bool = False) -> None:
         spec = PoolSpec(GEOMETRY, num_pages, 8, 10)
         self.raw = np.zeros(spec.kv_bytes, dtype=np.uint8)
-        mover = HostPages([self.raw], GEOMETRY, num_pages, host_pages)
+        self.host_raw = np.zeros(host_pages * GEOMETRY.page_bytes, dtype=np.uint8)
+        self.counters = np.zeros(num_pages, dtype=np.int32)
+        self.cfg = CoreConfig(num_pages=num_pages, page_size=PS, max_requests=8, max_context_len=10)
+        self.table = np.zeros(self.cfg.block_table_shape, dtype=np.int32)
+        self.host_pages, self.write_through, self.kept = host_pages, write_through, kept
+        self.buf = bytearray(layout_for(self.cfg, host_pages=host_pages).size) if kept else None
+        mover = HostPages([self.raw], GEOMETRY, num_pages, host_pages, self.counters, [self.host_raw])
         self.tier = HostTier(host_pages, PS, mover, write_through=write_through)
         self.loads = PageLoads(mover.counters, GEOMETRY.num_layers, PS)
+        image = None if self.buf is None else CoreImage.create(self.buf, layout_for(self.cfg, host_pages=host_pages))
         self.core = KVCore(
-            CoreConfig(num_pages=num_pages, page_size=PS, max_requests=8, max_context_len=10),
+            self.cfg,
+            self.table,
             audit_every_step=True,
             host_tier=self.tier,
             page_bytes=GEOMETRY.page_bytes,
+            image=image,
         )
         self.owner = self.core.add_owner()
         self.slots = self.raw.reshape(planes_of(GEOMETRY), num_pages * PS, -1)
@@ -51,6 +67,26 @@ class World:
         self.mover = mover
         self.held = False  # the copy thread held: loads stay in copy until resumed
         self.n = 0
+
+    def restart(self) -> None:
+        """The process dies (its held copy thread with it) and another takes the kept
+        state over: the same image, table, counters and host pages."""
+        assert self.buf is not None
+        self.mover.abandon()  # its loads in copy never finish
+        # what both tiers hold, by key: a restart keeps every page of them (in copy or not)
+        before = (dict(self.core.cache.index), set(self.tier.index))
+        self.mover = HostPages(
+            [self.raw], GEOMETRY, self.cfg.num_pages, self.host_pages, self.counters, [self.host_raw], reopened=True
+        )
+        self.tier = HostTier(self.host_pages, PS, self.mover, write_through=self.write_through)
+        self.core, restoration = restore(
+            self.cfg, self.table, self.buf, audit_every_step=True, host_tier=self.tier, page_bytes=GEOMETRY.page_bytes
+        )
+        assert not [r for r in restoration.repaired if "copied in again" not in r], restoration.repaired
+        assert (dict(self.core.cache.index), set(self.tier.index)) == before
+        self.owner = max(self.core.owner_ids())
+        self.loads = PageLoads(self.mover.counters, GEOMETRY.num_layers, PS)
+        self.held = False
 
     def write(self, kv_loc: np.ndarray, toks: list[int], start: int) -> None:
         for i, loc in enumerate(kv_loc.tolist()):
@@ -112,15 +148,16 @@ ops = st.one_of(
     st.tuples(st.just("fill"), st.integers(6, 10)),
     st.tuples(st.just("hold")),
     st.tuples(st.just("resume")),
+    st.tuples(st.just("restart")),
 )
 
 
 @settings(deadline=None)
-@given(st.integers(6, 14), st.integers(1, 10), st.booleans(), st.lists(ops, min_size=15, max_size=60))
+@given(st.integers(6, 14), st.integers(1, 10), st.booleans(), st.booleans(), st.lists(ops, min_size=15, max_size=60))
 def test_tier_random_interleavings_keep_every_page_and_every_byte(
-    num_pages: int, host_pages: int, write_through: bool, plan: list
+    num_pages: int, host_pages: int, write_through: bool, kept: bool, plan: list
 ) -> None:
-    w = World(num_pages, host_pages, write_through)
+    w = World(num_pages, host_pages, write_through, kept)
     for op in plan:
         if op[0] == "start":
             _, base, length, cache = op
@@ -136,14 +173,20 @@ def test_tier_random_interleavings_keep_every_page_and_every_byte(
         elif op[0] == "resume":
             w.mover.resume()
             w.held = False
+        elif op[0] == "restart":
+            if w.kept:
+                w.restart()
         else:
             w.fill(op[1])
+        if not w.held:  # the copy thread done with what it was given: the same run every time
+            w.mover.wait_idle()
         w.check()
     w.mover.resume()
     w.held = False
     w.mover.wait_idle()
     w.core.finish_loads()
     w.check()
+    w.mover.close()
     assert w.core.audit().ok
     stats = w.core.stats()
     host = stats.host

@@ -242,16 +242,19 @@ def test_a_worker_told_to_stop_hands_its_running_requests_to_its_peer(
     assert sorted(c["index"] for c in moved) == [0, 2, 4]  # worker 0's share
 
 
+@pytest.mark.parametrize("load_wait", ["layer", "iteration"])
 def test_tier_multi_turn_conversations_come_back_from_the_host_tier_token_identical(
-    model_dir: pathlib.Path, absent_socket: str
+    model_dir: pathlib.Path, absent_socket: str, load_wait: str
 ) -> None:
     """--workload multi-turn on a pool that holds one running conversation, not all 6:
     later turns match their history from the host tier (loaded, not prefilled again) and
-    every turn's completion equals the model's own generate() on the whole conversation."""
+    every turn's completion equals the model's own generate() on the whole conversation,
+    whether a loading request computes at once and waits per layer or is held out of the
+    forwards until its load is in (--load-wait)."""
     run = generate(
         "--model", model_dir, "--workload", "multi-turn", "--users", "6", "--turns", "3", "--workers", "1",
         "--max-running", "1", "--max-new-tokens", str(NEW_TOKENS), "--num-pages", "12", "--host-memory", "4MiB",
-        "--socket", absent_socket, "--json",
+        "--load-wait", load_wait, "--socket", absent_socket, "--json",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     assert "--host-memory 4MiB" in run.stderr
@@ -264,5 +267,10 @@ def test_tier_multi_turn_conversations_come_back_from_the_host_tier_token_identi
     assert later["matched_tokens"] > later["prompt_tokens"] // 2, later  # the history, matched
     tier = result["host_tier"]
     assert tier["demoted"] > 0 and tier["loaded"] > 0 and tier["hit_tokens"] == 16 * tier["loaded"], tier
-    # the loads are copied after their Steps answer; the forwards waited for them per layer
+    # the loads are copied after their Steps answer; the forwards waited for them per layer, or
+    # the requests loading were held out of the forwards until their loads were in
     assert 0 <= tier["loading_tokens"] <= tier["hit_tokens"] and tier["load_wait_ms"] >= 0, tier
+    if load_wait == "iteration":  # a request whose load was in copy was held out of its first forward
+        assert tier["load_held"] >= (tier["loading_tokens"] > 0) and tier["load_wait_ms"] == 0, tier
+    else:
+        assert tier["load_held"] == 0, tier

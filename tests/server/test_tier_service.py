@@ -6,11 +6,12 @@ cache; another's allocs take the whole pool, so the prompt's pages are evicted (
 demoted to the host tier); a third process, which never saw any of it, matches the prompt
 and reads every token's K and V back through its own block-table row: all as written.
 ``kvmem stats`` shows the tier; options that cannot work are refused at start with a
-line that says why."""
+line that says why. With ``--keep-state`` the tier and its index outlive a SIGKILL."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -172,7 +173,6 @@ def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_
     ("extra", "words"),
     [
         (("--host-memory", "1GiB", "--device", "none"), "--device none has no KV memory to keep"),
-        (("--host-memory", "1GiB", "--keep-state"), "cannot be combined with --keep-state yet"),
         (("--host-memory", "1GiB", "--no-prefix-cache"), "it needs the prefix cache on"),
         (("--host-memory", "100", "--layers", "2"), "--host-memory 100 holds no page: a page of this geometry is"),
         (("--host-memory", "1000TiB"), "more than the"),
@@ -211,3 +211,34 @@ def test_tier_the_drop_in_returns_from_an_iteration_block_once_its_matched_pages
                     want = float(PROMPT[pos] * 1000 + pos * 10 + layer * 2 + k)
                     assert planes[k][loc].tolist() == [[want, want]], (pos, layer, k)
         assert kv.stats().host_tier.num_loaded == 3
+
+
+def test_tier_a_killed_server_with_its_state_kept_comes_back_with_its_host_tier() -> None:
+    """``--keep-state --host-memory``: the prompt's pages demoted to the host tier, the
+    server SIGKILLed; the next server adopts the state, the tier and its index with it,
+    and a process that never saw the prompt matches it from the host tier and reads every
+    token's K and V back as written."""
+    import signal
+
+    directory = short_tmpdir()
+    args = ("--keep-state", "--shm-dir", directory, *FLAGS)
+    srv = start_server(directory, *args)
+    try:
+        assert client(srv.target, "write", PROMPT) == {"ok": True}
+        assert client(srv.target, "fill", list(range(500, 532))) == {"ok": True}
+        with KVMemClient(srv.target, name="look") as kv:
+            assert kv.stats().host_tier.num_cached_pages == 3
+        assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
+        assert any(name.endswith(".ht") for name in os.listdir(directory))  # the tier's pages, kept
+        srv = start_server(directory, *args)
+        assert "adopted" in srv.log() and "repaired" not in srv.log().split("adopted", 1)[1].split("\n", 1)[0]
+        with KVMemClient(srv.target, name="look") as kv:
+            st = kv.stats(audit=True)
+            assert st.audit.ok, st.audit.problems
+            assert (st.num_cached_pages, st.host_tier.num_cached_pages) == (0, 3)
+        got = client(srv.target, "read", PROMPT)
+        assert got == {"matched": 12, "wrong": [], "loading_ok": True}, got
+        with KVMemClient(srv.target, name="look") as kv:
+            assert kv.stats().host_tier.num_loaded == 3
+    finally:
+        srv.stop(signal.SIGKILL)
