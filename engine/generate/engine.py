@@ -98,6 +98,7 @@ class Completion:
     tpot_s: float = 0.0  # time per output token in the process that finished it (0: one token only)
     moves: int = 0  # hand-offs it went through (kvmem generate --disaggregate, draining)
     computed_here: int = 0  # tokens whose K/V the process that finished it computed
+    admitted_s: float = 0.0  # its (last) admission's time since the run started: ttft_s - admitted_s excludes queueing
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -368,7 +369,8 @@ class _Run:
         else:  # taken over: from the adoption to its last token
             tpot = (r.last_at - r.since) / r.taken_here if r.taken_here else 0.0
         timing = (max(r.first_at - self.started_at, 0.0), tpot, r.moves, r.computed_here)
-        return Completion(r.index, new, self.engine.text(new, self.stop), r.finish, *figures, logits, *timing)
+        admitted = max(r.since - self.started_at, 0.0)
+        return Completion(r.index, new, self.engine.text(new, self.stop), r.finish, *figures, logits, *timing, admitted)
 
 
 class _Detokenizer:

@@ -108,6 +108,10 @@ def report(
             {
                 "turn": t + 1,
                 "time_to_first_token_ms": _summary([c["ttft_s"] for c in completions if c.get("turn", 0) == t]),
+                # from each request's admission: its prefill (and load waits) without its time queued
+                "admitted_to_first_token_ms": _summary(
+                    [c["ttft_s"] - c.get("admitted_s", 0.0) for c in completions if c.get("turn", 0) == t]
+                ),
                 "prompt_tokens": sum(c["prompt_tokens"] for c in completions if c.get("turn", 0) == t),
                 "matched_tokens": sum(c["matched_tokens"] for c in completions if c.get("turn", 0) == t),
             }
@@ -156,7 +160,8 @@ def report(
             ttft = row["time_to_first_token_ms"]
             print(
                 f"turn {row['turn']}: TTFT p50 {ttft['p50']:.0f} ms, mean {ttft['mean']:.0f} ms over {ttft['n']} "
-                f"requests; prefix hit {row['matched_tokens']}/{row['prompt_tokens']} prompt tokens"
+                f"requests (p50 {row['admitted_to_first_token_ms']['p50']:.0f} ms from admission); prefix hit "
+                f"{row['matched_tokens']}/{row['prompt_tokens']} prompt tokens"
             )
         if "host_tier" in result:
             h = result["host_tier"]
