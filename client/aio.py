@@ -185,6 +185,17 @@ class AsyncKVMemClient(ClientBase):
 
     stats.__doc__ = KVMemClient.stats.__doc__
 
+    async def wait_loads(
+        self, slot: int, match_len: int, loading: int, *, layer: int | None = None, timeout: float = 60.0
+    ) -> float:
+        loads = self.page_loads
+        if loads is None or loading <= 0:
+            return 0.0
+        pages = loads.pages_of(self.block_table[slot], match_len, loading)
+        return await loads.wait_async(pages, layer, timeout)
+
+    wait_loads.__doc__ = KVMemClient.wait_loads.__doc__
+
     async def detach(self, *, timeout: float | None = None) -> int:
         return await self._perform(self._session.detach(timeout=timeout))
 

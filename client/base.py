@@ -221,20 +221,6 @@ class ClientBase:
             self._page_loads = self.memory.page_loads()
         return self._page_loads
 
-    def wait_loads(
-        self, slot: int, match_len: int, loading: int, *, layer: int | None = None, timeout: float = 60.0
-    ) -> float:
-        """Wait until the last ``loading`` tokens of a match of ``match_len`` tokens in
-        request ``slot`` (``StepResult.match_lens`` and ``match_loading`` of its match
-        item) are copied in from the host tier: layer ``layer`` of them, or every layer
-        (None). Returns the seconds waited (0.0 at once when nothing is loading, or no
-        host tier). No round trip: the counters are in memory this process maps.
-        :class:`~kvmem.client.loads.LoadTimeout` after ``timeout`` seconds."""
-        loads = self.page_loads
-        if loads is None or loading <= 0:
-            return 0.0
-        return loads.wait(loads.pages_of(self.block_table[slot], match_len, loading), layer, timeout)
-
     def _views_stale(self, lost: SessionLost) -> None:
         """The server is gone or replaced: drop this client's mappings and tell the
         application (``on_views_stale``), which must drop the views it took."""

@@ -21,6 +21,7 @@ see the bytes.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -76,15 +77,31 @@ class PageLoads:
         start = time.perf_counter()
         pause = 20e-6
         while not self.ready(pages, layer):
-            waited = time.perf_counter() - start
-            if waited > timeout:
-                need = self.num_layers if layer is None else layer + 1
-                behind = pages[self.counters[pages] < need]
-                raise LoadTimeout(
-                    f"{behind.size} page(s) still loading from the host tier after {waited:.1f} s "
-                    f"(layer {layer if layer is not None else 'all'}; pages {behind[:8].tolist()}): "
-                    "the server is gone or stuck"
-                )
+            self._check_time(pages, layer, start, timeout)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         return time.perf_counter() - start
+
+    async def wait_async(self, pages: np.ndarray, layer: int | None = None, timeout: float = 60.0) -> float:
+        """:meth:`wait` for an asyncio caller: the looks are ``asyncio.sleep`` apart, so
+        the event loop runs meanwhile."""
+        if self.ready(pages, layer):
+            return 0.0
+        start = time.perf_counter()
+        pause = 20e-6
+        while not self.ready(pages, layer):
+            self._check_time(pages, layer, start, timeout)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        return time.perf_counter() - start
+
+    def _check_time(self, pages: np.ndarray, layer: int | None, start: float, timeout: float) -> None:
+        waited = time.perf_counter() - start
+        if waited > timeout:
+            need = self.num_layers if layer is None else layer + 1
+            behind = pages[self.counters[pages] < need]
+            raise LoadTimeout(
+                f"{behind.size} page(s) still loading from the host tier after {waited:.1f} s "
+                f"(layer {layer if layer is not None else 'all'}; pages {behind[:8].tolist()}): "
+                "the server is gone or stuck"
+            )

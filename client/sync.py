@@ -268,6 +268,20 @@ class KVMemClient(ClientBase):
         """
         return self._perform(self._session.stats(audit=audit, timeout=timeout))
 
+    def wait_loads(
+        self, slot: int, match_len: int, loading: int, *, layer: int | None = None, timeout: float = 60.0
+    ) -> float:
+        """Wait until the last ``loading`` tokens of a match of ``match_len`` tokens in
+        request ``slot`` (``StepResult.match_lens`` and ``match_loading`` of its match
+        item) are copied in from the host tier: layer ``layer`` of them, or every layer
+        (None). Returns the seconds waited (0.0 at once when nothing is loading, or no
+        host tier). No round trip: the counters are in memory this process maps.
+        :class:`~kvmem.client.loads.LoadTimeout` after ``timeout`` seconds."""
+        loads = self.page_loads
+        if loads is None or loading <= 0:
+            return 0.0
+        return loads.wait(loads.pages_of(self.block_table[slot], match_len, loading), layer, timeout)
+
     def detach(self, *, timeout: float | None = None) -> int:
         """End the session: every request it holds is released. Returns how many. The
         session is over from the call on, whatever its fate; the keep-alive ends with it.

@@ -242,3 +242,38 @@ def test_tier_a_killed_server_with_its_state_kept_comes_back_with_its_host_tier(
             assert kv.stats().host_tier.num_loaded == 3
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_tier_an_asyncio_client_waits_for_a_load_without_blocking_its_loop(server: ServerProcess) -> None:
+    """``AsyncKVMemClient.wait_loads`` awaits the load counters (the loop runs meanwhile)
+    and returns once every layer of the matched pages is in."""
+    import asyncio
+
+    from kvmem.client import AsyncKVMemClient
+
+    assert client(server.target, "write", PROMPT) == {"ok": True}
+    assert client(server.target, "fill", list(range(500, 532))) == {"ok": True}
+
+    async def main() -> tuple[int, bool, int]:
+        async with AsyncKVMemClient(server.target, name="async") as kv:
+            (slot,) = (await kv.open(["a"])).tolist()
+            r = await kv.step(match=[(slot, PROMPT)])
+            matched, loading = int(r.match_lens[0]), int(r.match_loading[0])
+            ticks = 0
+
+            async def tick() -> None:  # the loop keeps running while the wait polls
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            ticker = asyncio.ensure_future(tick())
+            await kv.wait_loads(slot, matched, loading, timeout=30)
+            ticker.cancel()
+            loads = kv.page_loads
+            assert loads is not None
+            ready = loads.ready(loads.pages_of(kv.block_table[slot], matched, matched))
+            return matched, ready, ticks
+
+    matched, ready, _ = asyncio.run(main())
+    assert matched == 12 and ready
