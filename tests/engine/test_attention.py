@@ -333,7 +333,7 @@ def test_greedy_tokens_and_logits_equal_generate_on_a_kvmem_server(
 
 
 CHILD = r"""
-import json, sys
+import dataclasses, json, sys
 import numpy as np
 from kvmem.client import KVMemClient
 from kvmem.engine.generate.attention import ATTENTION
@@ -347,16 +347,20 @@ with KVMemClient(target, name="second") as kv:
     check_geometry(model.config, kv.geometry)
     (slot,) = kv.open(["b"]).tolist()
     res = kv.step(match=[(slot, prompt, len(prompt) - 1)], alloc_slots=[slot], alloc_needs=[len(prompt)])
-    matched = int(res.match_lens[0])
+    matched, loading = int(res.match_lens[0]), int(res.match_loading[0])
     engine = TransformersModel(model, kv.kv_cache(), kv.block_table, int(kv.geometry.page_size))
     builder = BatchBuilder()
     rest = np.array(prompt[matched:], dtype=np.int32)
     builder.add("b", slot, matched, rest, res.kv_loc_of(0).numpy(), rest.size)
-    out = engine.forward(builder.build([], [], has_kv=True))
+    batch = builder.build([], [], has_kv=True)
+    if loading:  # still being copied in from the host tier: each layer waits for its copy
+        pages = kv.page_loads.pages_of(kv.block_table[slot], matched, loading)
+        batch = dataclasses.replace(batch, wait=lambda layer: kv.page_loads.wait(pages, layer, timeout=30))
+    out = engine.forward(batch)
     np.save(out_path, engine.last_logits.numpy())
     kv.step(release_slots=[slot])
-print("RESULT", json.dumps({"matched": matched, "computed": int(rest.size), "tokens": out.next_tokens.tolist()}),
-      flush=True)
+print("RESULT", json.dumps({"matched": matched, "computed": int(rest.size), "tokens": out.next_tokens.tolist(),
+                          "loading": loading}), flush=True)
 """
 
 
@@ -368,6 +372,32 @@ def test_a_second_process_reads_the_prefix_the_first_computed(
     from disk with ``attn_implementation="kvmem"``) matches them for a prompt that
     shares 35 tokens, computes only its other 10, and its logits there equal a
     from-scratch forward's."""
+    _second_process_reads_the_prefix(pool, reference, kvmem_model, tmp_path, evict=False)
+
+
+def test_tier_a_second_process_reads_the_prefix_back_from_the_host_tier(
+    reference: LlamaForCausalLM, kvmem_model: LlamaForCausalLM, tmp_path: Any
+) -> None:
+    """The same on a server with a host tier whose pool is small: between the two, an
+    alloc of the whole pool evicts the prompt's pages to the host tier; the second
+    process's match loads them back (its forward waiting per layer for their copy), and
+    its logits still equal a from-scratch forward's."""
+    srv = start_server(
+        short_tmpdir(), "--device", "cpu", *SERVE_FLAGS.split(), "--page-size", str(PAGE_SIZE), "--num-pages", "8",
+        "--max-requests", "16", "--max-context", "112", "--host-memory", "1MiB",
+    )  # fmt: skip
+    try:
+        _second_process_reads_the_prefix(srv, reference, kvmem_model, tmp_path, evict=True)
+        with KVMemClient(srv.target, name="look") as kv:
+            st = kv.stats(audit=True)
+            assert st.audit.ok and st.host_tier.num_loaded == 2, (st.audit.problems, st.host_tier)
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def _second_process_reads_the_prefix(
+    pool: ServerProcess, reference: LlamaForCausalLM, kvmem_model: LlamaForCausalLM, tmp_path: Any, evict: bool
+) -> None:
     first = np.random.default_rng(99).integers(0, VOCAB, size=40).astype(np.int32)
     second = np.concatenate([first[:35], np.random.default_rng(100).integers(0, VOCAB, size=7).astype(np.int32)])
     with KVMemClient(pool.target, name="first") as kv:
@@ -380,6 +410,11 @@ def test_a_second_process_reads_the_prefix_the_first_computed(
         model.forward(builder.build([], [], has_kv=True))
         released = kv.step(release_slots=[slot], release_token_ids=[first])
         assert released.num_pages_cached == 2, released
+        if evict:  # every page of the pool: the prompt's two go to the host tier
+            (big,) = kv.open(["fill"]).tolist()
+            filled = kv.step(alloc_slots=[big], alloc_needs=[7 * PAGE_SIZE])
+            assert filled.ok and filled.num_pages_evicted == 2, filled
+            kv.step(release_slots=[big])
     model_dir, out_path = str(tmp_path / "model"), str(tmp_path / "logits.npy")
     reference.save_pretrained(model_dir)
     child = LineProcess("second engine", CHILD, pool.target, model_dir, out_path, json.dumps(second.tolist()))
