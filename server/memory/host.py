@@ -222,7 +222,7 @@ class HostPages:
         """Tests: the copy thread runs freely again."""
         permits, self._permits = self._permits, None
         if permits is not None:
-            permits.release(1 << 20)
+            permits.release()  # the one thread waiting on it, if any; it reads no semaphore after
 
     def abandon(self) -> None:
         """Tests: the process died with loads held in copy: the copy thread ends without
@@ -233,7 +233,7 @@ class HostPages:
         if thread is not None:
             self._queue.put(None)
             if permits is not None:
-                permits.release(1 << 20)
+                permits.release()  # the one thread waiting on it, if any; it reads no semaphore after
             thread.join(timeout=10)
 
     def load_stats(self) -> tuple[float, float, float]:

@@ -32,8 +32,13 @@ GEOMETRY = KVGeometry("mha", num_layers=1, num_kv_heads=1, head_dim=2, dtype="fl
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 50, 51, 52, 53], [60, 61, 62, 63, 64, 65]]
 
 
-def pattern(token: int, position: int, plane: int, width: int) -> np.ndarray:
-    return ((np.arange(width) * 3 + token * 17 + position * 5 + plane * 29) % 251).astype(np.uint8)
+def patterns(tokens: list[int], start: int, planes: int, width: int) -> np.ndarray:
+    """``[planes, len(tokens), width]``: what a model writes for each token at its
+    position (``start`` on) in each plane, all at once."""
+    tok = np.asarray(tokens, dtype=np.int64)[None, :, None]
+    pos = (start + np.arange(len(tokens), dtype=np.int64))[None, :, None]
+    plane = np.arange(planes, dtype=np.int64)[:, None, None]
+    return ((np.arange(width)[None, None, :] * 3 + tok * 17 + pos * 5 + plane * 29) % 251).astype(np.uint8)
 
 
 class World:
@@ -89,9 +94,8 @@ class World:
         self.held = False
 
     def write(self, kv_loc: np.ndarray, toks: list[int], start: int) -> None:
-        for i, loc in enumerate(kv_loc.tolist()):
-            for plane in range(self.slots.shape[0]):
-                self.slots[plane, loc] = pattern(toks[i], start + i, plane, self.slots.shape[2])
+        if len(toks):
+            self.slots[:, kv_loc] = patterns(toks, start, self.slots.shape[0], self.slots.shape[2])
 
     def check(self) -> None:
         for slot, toks in self.running.items():
@@ -102,11 +106,13 @@ class World:
                 toks = toks[: int(np.argmin(ready)) * PS] if not ready.all() else toks
             else:
                 self.loads.wait(pages, timeout=10)
-            for pos, tok in enumerate(toks):
-                loc = int(row[pos // PS]) * PS + pos % PS
-                for plane in range(self.slots.shape[0]):
-                    want = pattern(tok, pos, plane, self.slots.shape[2])
-                    assert np.array_equal(self.slots[plane, loc], want), (slot, pos)
+            if not toks:
+                continue
+            pos = np.arange(len(toks))
+            locs = row[pos // PS].astype(np.int64) * PS + pos % PS
+            want = patterns(toks, 0, self.slots.shape[0], self.slots.shape[2])
+            wrong = np.flatnonzero((self.slots[:, locs] != want).any(axis=(0, 2)))
+            assert not wrong.size, (slot, wrong.tolist())
 
     def start(self, toks: list[int], cache: bool) -> None:
         if len(self.running) >= 6:
