@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -75,11 +76,8 @@ class PageLoads:
         if self.ready(pages, layer):
             return 0.0
         start = time.perf_counter()
-        pause = 20e-6
-        while not self.ready(pages, layer):
-            self._check_time(pages, layer, start, timeout)
+        for pause in self._pauses(pages, layer, start, timeout):
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
         return time.perf_counter() - start
 
     async def wait_async(self, pages: np.ndarray, layer: int | None = None, timeout: float = 60.0) -> float:
@@ -88,20 +86,23 @@ class PageLoads:
         if self.ready(pages, layer):
             return 0.0
         start = time.perf_counter()
-        pause = 20e-6
-        while not self.ready(pages, layer):
-            self._check_time(pages, layer, start, timeout)
+        for pause in self._pauses(pages, layer, start, timeout):
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 1e-3)
         return time.perf_counter() - start
 
-    def _check_time(self, pages: np.ndarray, layer: int | None, start: float, timeout: float) -> None:
-        waited = time.perf_counter() - start
-        if waited > timeout:
-            need = self.num_layers if layer is None else layer + 1
-            behind = pages[self.counters[pages] < need]
-            raise LoadTimeout(
-                f"{behind.size} page(s) still loading from the host tier after {waited:.1f} s "
-                f"(layer {layer if layer is not None else 'all'}; pages {behind[:8].tolist()}): "
-                "the server is gone or stuck"
-            )
+    def _pauses(self, pages: np.ndarray, layer: int | None, start: float, timeout: float) -> Iterator[float]:
+        """The pauses between looks until :meth:`ready`; :class:`LoadTimeout` past
+        ``timeout``."""
+        pause = 20e-6
+        while not self.ready(pages, layer):
+            waited = time.perf_counter() - start
+            if waited > timeout:
+                need = self.num_layers if layer is None else layer + 1
+                behind = pages[self.counters[pages] < need]
+                raise LoadTimeout(
+                    f"{behind.size} page(s) still loading from the host tier after {waited:.1f} s "
+                    f"(layer {layer if layer is not None else 'all'}; pages {behind[:8].tolist()}): "
+                    "the server is gone or stuck"
+                )
+            yield pause
+            pause = min(pause * 2, 1e-3)

@@ -470,15 +470,23 @@ def test_tier_a_restart_with_the_state_kept_keeps_the_host_tier_and_its_index() 
     assert p.core.audit().ok
 
 
-def test_tier_a_restart_during_loads_copies_them_again_and_nothing_is_read_early() -> None:
-    p = KeptPool()
-    prompt = tokens(12, 100)
+def _load_the_crash_cuts(p: KeptPool, prompt: list[int]) -> int:
+    """``prompt``'s pages evicted to the host, then matched back in a committed Step
+    whose load never finishes (the copy thread held: the process dies with it in
+    copy). Returns the matching request's slot."""
     _evicted_prefix(p, prompt)
-    p.mover.hold()  # the load never finishes: the process dies with it in copy
+    p.mover.hold()
     (slot,) = p.core.open(p.owner, ["c"]).tolist()
     res = p.core.step(p.owner, StepBatch.of(match=[(slot, prompt)]), seq=1)
     p.core.commit(1)
     assert res.match_loading.tolist() == [12]
+    return slot
+
+
+def test_tier_a_restart_during_loads_copies_them_again_and_nothing_is_read_early() -> None:
+    p = KeptPool()
+    prompt = tokens(12, 100)
+    slot = _load_the_crash_cuts(p, prompt)
     pages = p.core.block_table[slot, :3].copy()
     assert p.counters[pages].tolist() == [0, 0, 0]  # what a reader sees: not one layer in
     r = p.restart()
@@ -492,11 +500,7 @@ def test_tier_a_restart_during_loads_copies_them_again_and_nothing_is_read_early
 def test_tier_a_restart_during_a_load_whose_host_page_is_gone_cuts_the_rows_before_it() -> None:
     p = KeptPool()
     prompt = tokens(12, 100)
-    _evicted_prefix(p, prompt)
-    p.mover.hold()
-    (slot,) = p.core.open(p.owner, ["c"]).tolist()
-    p.core.step(p.owner, StepBatch.of(match=[(slot, prompt)]), seq=1)
-    p.core.commit(1)
+    slot = _load_the_crash_cuts(p, prompt)
     p.core.image.host_cached[:] = False  # a torn image: the host tier's facts lost
     r = p.restart()
     assert any("not on the host tier, uncached" in line for line in r.repaired), r.repaired
