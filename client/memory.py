@@ -26,7 +26,7 @@ import mmap
 import os
 import warnings
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -180,7 +180,7 @@ class MappedMemory:
         Expects, per rank ``0..n-1``, one ``"kv"`` handle and a ``"block_table"`` handle
         (shm: one table, rank 0; cuda: one device copy per rank), all of one kind; and
         with a host tier one ``"load_counters"`` handle (shm, rank 0: in the block-table
-        file, after the table).
+        file, after the table; on a CUDA pool a small file of its own).
         Raises :class:`MemoryMapError` naming the handle and what disagrees.
         Cost: one map per allocation plus O(layers) views; nothing per page.
         """
@@ -196,7 +196,8 @@ class MappedMemory:
         else:
             raise MemoryMapError(f"unknown KV format {layout.format} in the pool geometry")
         bt_shape = (geometry.max_requests + 1, geometry.max_pages_per_request)
-        kinds = {h.WhichOneof("handle") for h in handles}
+        # The load counters are host memory whatever the pool's kind: checked below.
+        kinds = {h.WhichOneof("handle") for h in handles if h.name != "load_counters"}
         if len(kinds) != 1 or None in kinds:
             raise MemoryMapError(f"memory handles must all be shm or all cuda, got {sorted(map(str, kinds))}")
         (kind,) = kinds
@@ -220,7 +221,7 @@ class MappedMemory:
             )
         mapper = _map_shm if kind == "shm" else _map_cuda
 
-        def map_one(name: str, rank: int, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        def map_one(name: str, rank: int, dtype_name: str, shape: tuple[int, ...], via: Any = None) -> torch.Tensor:
             h = by_key[(name, rank)]
             if h.dtype != dtype_name or tuple(h.shape) != shape:
                 raise MemoryMapError(
@@ -233,11 +234,16 @@ class MappedMemory:
                     f"{name!r} handle of rank {rank}: size_bytes {h.size_bytes} != "
                     f"{math.prod(shape) * dtype.itemsize} for {dtype_name} {list(shape)}"
                 )
-            return mapper(h, dtype, shape)
+            return (via or mapper)(h, dtype, shape)
 
         kv = [map_one("kv", r, layout.dtype, kv_shape) for r in range(num_ranks)]
         tables = [map_one("block_table", r, "int32", bt_shape) for r in range(bt_ranks)]
-        counters = map_one("load_counters", 0, "int32", (geometry.num_pages,)) if has_counters else None
+        counters = None
+        if has_counters:
+            if by_key[("load_counters", 0)].WhichOneof("handle") != "shm":
+                raise MemoryMapError("the 'load_counters' handle must be a shared-memory file")
+            # Host memory on a CUDA pool too.
+            counters = map_one("load_counters", 0, "int32", (geometry.num_pages,), via=_map_shm)
         return cls(geometry, kind, kv, tables, counters)
 
     # ------------------------------------------------------------------ access

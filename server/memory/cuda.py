@@ -10,6 +10,7 @@ import torch
 
 from kvmem.server.memory.base import CudaIpcInfo, HandleInfo, MemoryBackend
 from kvmem.server.memory.geometry import GeometryError, MemoryUnavailable, PoolSpec, _as_int, format_size
+from kvmem.server.memory.shm import CounterFile
 
 
 def device_uuid(index: int) -> str:
@@ -55,7 +56,7 @@ class CudaBackend(MemoryBackend):
     name = "cuda"
     syncs_rows = True  # device copies follow the host table
 
-    def __init__(self, pool: PoolSpec, devices: Sequence[int] = (0,)) -> None:
+    def __init__(self, pool: PoolSpec, devices: Sequence[int] = (0,), load_counters: CounterFile | None = None) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "the cuda memory backend needs a CUDA device, but torch.cuda.is_available() is "
@@ -75,6 +76,11 @@ class CudaBackend(MemoryBackend):
                 (self._bt_dev[rank], "block_table", "int32"),
             )
         ]
+        # --host-memory: the host tier's load counters, host memory clients map (kvmem.server.memory.host_torch).
+        self.counter_file = load_counters
+        self.load_counters = None if load_counters is None else load_counters.counters
+        if load_counters is not None:
+            self._handles.append(load_counters.handle())
         self._closed = False
         self._log_created(f"on each of cuda:{self.devices}")
 
@@ -161,7 +167,8 @@ class CudaBackend(MemoryBackend):
         return self._bt_dev[rank]
 
     def handles(self) -> list[HandleInfo]:
-        """Per rank: its KV allocation, then its device block table. O(ranks)."""
+        """Per rank: its KV allocation, then its device block table; with a host tier
+        the load counters' shm file last. O(ranks)."""
         self._check_open()
         return list(self._handles)
 
@@ -209,6 +216,9 @@ class CudaBackend(MemoryBackend):
         self._closed = True
         for d in self.devices:
             torch.cuda.synchronize(d)
+        if self.counter_file is not None:
+            self.counter_file.close()
+            self.load_counters = None
         self._kv_dev.clear()
         self._bt_dev.clear()
         self._idx_dev.clear()

@@ -28,6 +28,7 @@ provide.
 
 from __future__ import annotations
 
+import abc
 import collections
 import logging
 import queue
@@ -84,39 +85,33 @@ def check_host_memory(host_bytes: int, geometry: KVGeometry, num_ranks: int, tex
     return pages
 
 
-class HostPages:
-    """``num_pages`` host pages per rank for the device pools ``device`` (one flat
-    ``uint8`` array per rank: the whole KV allocation, ``num_device_pages`` pages of
-    ``geometry``), the copies both ways, and the copy thread that makes the loads.
+class PageCopier(abc.ABC):
+    """What both hosts of a tier share: the load counters, the copy thread that makes the
+    loads layer by layer (:meth:`start_load`), its statistics and its test hooks. A
+    subclass holds the memory and copies one layer (:meth:`_copy_layer`) and whole pages
+    (:meth:`to_host`): :class:`HostPages` numpy over the CPU pool, :class:`TorchHostPages`
+    torch over a CUDA pool (or any torch device).
 
-    ``counters``: the int32 ``[num_device_pages]`` load counters (a view into the
-    block-table file; None: an array of its own), set to ``num_layers`` here unless
-    ``reopened``. ``host``: the host pages' memory (a flat ``uint8`` array per rank: a
-    kept file, ``--keep-state``); None: memory of its own."""
+    ``counters``: the int32 ``[num_device_pages]`` load counters (a view into a file
+    clients map; None: an array of its own), set to ``num_layers`` here unless
+    ``reopened``."""
+
+    num_ranks: int
 
     def __init__(
         self,
-        device: list[np.ndarray],
         geometry: KVGeometry,
         num_device_pages: int,
         num_pages: int,
         counters: np.ndarray | None = None,
-        host: list[np.ndarray] | None = None,
         reopened: bool = False,
     ) -> None:
-        planes = planes_of(geometry)
-        row = geometry.page_bytes // planes
         self.num_pages = num_pages
         self.page_bytes = geometry.page_bytes
         self.num_layers = geometry.num_layers
-        self._planes_per_layer = planes // geometry.num_layers
-        self._device = [d.reshape(planes, num_device_pages, row) for d in device]
-        if host is None:
-            self._host = [np.empty((num_pages, planes, row), dtype=np.uint8) for _ in device]
-        else:  # kept memory (--keep-state): a flat uint8 array per rank
-            if len(host) != len(device) or any(h.size != num_pages * geometry.page_bytes for h in host):
-                raise ValueError(f"host memory must be {num_pages} pages of {geometry.page_bytes} bytes per rank")
-            self._host = [h.reshape(num_pages, planes, row) for h in host]
+        self._planes = planes_of(geometry)
+        self._row = geometry.page_bytes // self._planes
+        self._planes_per_layer = self._planes // geometry.num_layers
         if counters is None:
             counters = np.empty(num_device_pages, dtype=np.int32)
         if counters.shape != (num_device_pages,) or counters.dtype != np.int32:
@@ -138,14 +133,20 @@ class HostPages:
         # Recent loads: (pages, seconds from start_load to the last layer, seconds copying).
         self._recent: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=1024)
 
+    @abc.abstractmethod
     def to_host(self, device_pages: np.ndarray, host_pages: np.ndarray) -> None:
-        # A page at a time, straight from its planes into its host page: one copy of its
-        # bytes (a gather of all pages first, then a transposing scatter, copies twice:
-        # 0.33x a memcpy's speed against this loop's 0.85x, bench/tier_bench.py's copy part).
-        # The loop is over pages, never tokens: a page is planes x row bytes (KiBs).
-        for dev, host in zip(self._device, self._host, strict=True):
-            for d, h in zip(device_pages.tolist(), host_pages.tolist(), strict=True):
-                host[h] = dev[:, d]
+        """Copy whole ``device_pages`` (every layer and rank) into ``host_pages``, in the
+        calling thread: done when this returns (the device pages are reused right after)."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def _copy_layer(self, layer: int, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
+        """Copy layer ``layer`` of ``host_pages`` into ``device_pages``, every rank: in
+        place when this returns (its counters are set right after)."""
+
+    @abc.abstractmethod
+    def page(self, host_page: int, rank: int = 0) -> np.ndarray:
+        """One host page's bytes ``[planes, row]``: for tests and tools."""
 
     # ------------------------------------------------------------ loads
 
@@ -167,7 +168,7 @@ class HostPages:
             host_pages, device_pages, token, queued = job
             started = time.perf_counter()
             try:
-                self._copy_in(host_pages.tolist(), device_pages.tolist(), device_pages)
+                self._copy_in(host_pages, device_pages)
             except Exception:  # the memory was closed under it: its readers time out
                 log.exception("host tier: a load of %d page(s) failed; its pages stay unreadable", host_pages.size)
             if self._abandoned:
@@ -182,9 +183,8 @@ class HostPages:
             if notify is not None:
                 notify()
 
-    def _copy_in(self, host: list[int], device: list[int], device_pages: np.ndarray) -> None:
+    def _copy_in(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
         """Layer by layer, every page (and rank) of the layer, then its counters."""
-        k = self._planes_per_layer
         counters = self.counters
         for layer in range(self.num_layers):
             permits = self._permits
@@ -192,16 +192,13 @@ class HostPages:
                 permits.acquire()
             if self._abandoned:
                 return
-            lo, hi = layer * k, layer * k + k
-            for dev, hst in zip(self._device, self._host, strict=True):
-                for h, d in zip(host, device, strict=True):
-                    dev[lo:hi, d] = hst[h, lo:hi]
+            self._copy_layer(layer, host_pages, device_pages)
             counters[device_pages] = layer + 1
 
     def copy_now(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
         """Copy ``host_pages`` into ``device_pages`` in the calling thread, every layer
         (a restart copying again what a crash cut; nothing reads them meanwhile)."""
-        self._copy_in(host_pages.tolist(), device_pages.tolist(), device_pages)
+        self._copy_in(host_pages, device_pages)
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Until every load started has finished (tests, tools, shutdown)."""
@@ -244,7 +241,7 @@ class HostPages:
             return 0.0, 0.0, 0.0
         waits = np.array([r[1] for r in recent]) * 1e3
         copying = sum(r[2] for r in recent)
-        moved = sum(r[0] for r in recent) * self.page_bytes * len(self._host)
+        moved = sum(r[0] for r in recent) * self.page_bytes * self.num_ranks
         p50, p99 = np.percentile(waits, [50, 99]).tolist()
         return p50, p99, (moved / copying / 2**30 if copying > 0 else 0.0)
 
@@ -255,6 +252,50 @@ class HostPages:
             self.resume()
             self._queue.put(None)
             thread.join(timeout=30)
+
+
+class HostPages(PageCopier):
+    """``num_pages`` host pages per rank for the CPU pools ``device`` (one flat ``uint8``
+    array per rank: the whole KV allocation, ``num_device_pages`` pages of ``geometry``),
+    copied with numpy. ``host``: the host pages' memory (a flat ``uint8`` array per rank:
+    a kept file, ``--keep-state``); None: memory of its own."""
+
+    def __init__(
+        self,
+        device: list[np.ndarray],
+        geometry: KVGeometry,
+        num_device_pages: int,
+        num_pages: int,
+        counters: np.ndarray | None = None,
+        host: list[np.ndarray] | None = None,
+        reopened: bool = False,
+    ) -> None:
+        super().__init__(geometry, num_device_pages, num_pages, counters, reopened)
+        planes, row = self._planes, self._row
+        self.num_ranks = len(device)
+        self._device = [d.reshape(planes, num_device_pages, row) for d in device]
+        if host is None:
+            self._host = [np.empty((num_pages, planes, row), dtype=np.uint8) for _ in device]
+        else:  # kept memory (--keep-state): a flat uint8 array per rank
+            if len(host) != len(device) or any(h.size != num_pages * geometry.page_bytes for h in host):
+                raise ValueError(f"host memory must be {num_pages} pages of {geometry.page_bytes} bytes per rank")
+            self._host = [h.reshape(num_pages, planes, row) for h in host]
+
+    def to_host(self, device_pages: np.ndarray, host_pages: np.ndarray) -> None:
+        # A page at a time, straight from its planes into its host page: one copy of its
+        # bytes (a gather of all pages first, then a transposing scatter, copies twice:
+        # 0.33x a memcpy's speed against this loop's 0.85x, bench/tier_bench.py's copy part).
+        # The loop is over pages, never tokens: a page is planes x row bytes (KiBs).
+        for dev, host in zip(self._device, self._host, strict=True):
+            for d, h in zip(device_pages.tolist(), host_pages.tolist(), strict=True):
+                host[h] = dev[:, d]
+
+    def _copy_layer(self, layer: int, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
+        k = self._planes_per_layer
+        lo, hi = layer * k, layer * k + k
+        for dev, hst in zip(self._device, self._host, strict=True):
+            for h, d in zip(host_pages.tolist(), device_pages.tolist(), strict=True):
+                dev[lo:hi, d] = hst[h, lo:hi]
 
     def page(self, host_page: int, rank: int = 0) -> np.ndarray:
         """One host page's bytes ``[planes, row]`` (a view): for tests and tools."""

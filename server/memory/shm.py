@@ -33,7 +33,7 @@ _ID_RE = r"(\d+-[0-9a-f]{16})"
 
 
 def _file_re(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}-{_ID_RE}(\.kv|\.bt|\.st|\.sl|\.lock)$")
+    return re.compile(rf"^{re.escape(prefix)}-{_ID_RE}(\.kv|\.bt|\.st|\.sl|\.lc|\.lock)$")
 
 
 def _check_prefix(prefix: str) -> None:
@@ -449,3 +449,47 @@ class ShmBackend(MemoryBackend):
         self._kv = None
         self.load_counters = None
         self.host_raw = None
+
+
+class CounterFile:
+    """The host tier's load counters of a CUDA pool (``--device cuda:N --host-memory``):
+    int32 per device page in a small shared-memory file clients map, ``{prefix}-{pid}-
+    {random}.lc`` beside its ``.lock`` in ``directory`` (the shm backend has them in its
+    block-table file instead). Mode and group as the shm backend's files; unlinked by
+    :meth:`close`, at exit, or by the next server's :func:`remove_stale` after a SIGKILL.
+    O(1) to create: ``4 * num_pages`` bytes."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        directory: str = "/dev/shm",
+        prefix: str = "kvmem",
+        mode: int = 0o600,
+        gid: int | None = None,
+    ) -> None:
+        _check_prefix(prefix)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"shm directory {directory!r} does not exist")
+        remove_stale(directory, prefix)
+        lock_fd, base = ShmBackend._create_lock(directory, prefix)
+        self.path = base + ".lc"
+        self._finalizer = weakref.finalize(self, _close_shm_files, (self.path, base + ".lock"), lock_fd, os.getpid())
+        try:
+            fd = _create_file(self.path, 4 * num_pages, True, mode, gid)
+            try:
+                self.counters: np.ndarray | None = np.frombuffer(_map_fd(fd, 4 * num_pages), dtype=np.int32)
+            finally:
+                os.close(fd)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.num_pages = num_pages
+
+    def handle(self) -> HandleInfo:
+        """The ``"load_counters"`` handle (shm, rank 0) clients map."""
+        return HandleInfo("load_counters", 0, "int32", (self.num_pages,), 4 * self.num_pages, shm_path=self.path)
+
+    def close(self) -> None:
+        """Unlink the file (a client's mapping stays valid). Idempotent."""
+        self._finalizer()
+        self.counters = None

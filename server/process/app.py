@@ -304,22 +304,31 @@ class KVMemServer:
         return core
 
     def _host_tier(self, core_cfg: CoreConfig) -> tuple[HostTier, int]:
-        """``--host-memory``: the host tier behind the CPU pool, and a page's bytes."""
+        """``--host-memory``: the host tier behind the pool (per rank on a CUDA pool), and
+        a page's bytes (all ranks)."""
         from kvmem.server.memory.geometry import parse_size
-        from kvmem.server.memory.host import HostPages, check_host_memory
+        from kvmem.server.memory.host import HostPages, PageCopier, check_host_memory
 
         memory = self.memory
         assert memory is not None and self.config.host_memory is not None
         geometry = memory.geometry
         text = self.config.host_memory
         num_pages = check_host_memory(parse_size(text, "--host-memory"), geometry, memory.num_ranks, text)
-        raw = [memory.kv_raw(rank) for rank in range(memory.num_ranks)]  # type: ignore[attr-defined]
-        counters = getattr(memory, "load_counters", None)  # in the block-table file clients map
-        kept = getattr(memory, "host_raw", None)  # --keep-state: the tier's pages in a kept file
-        reopened = kept is not None and bool(getattr(memory, "reopened", False))
-        mover = HostPages(
-            raw, geometry, core_cfg.num_pages, num_pages, counters, None if kept is None else [kept], reopened
-        )
+        # In a file clients map: the block table's (shm), a small one of their own (cuda).
+        counters = getattr(memory, "load_counters", None)
+        mover: PageCopier
+        if memory.name == "cuda":  # pinned pages and a copy stream per rank (torch: the cuda backend has it)
+            from kvmem.server.memory.host_torch import TorchHostPages
+
+            kv = [memory.kv(rank) for rank in range(memory.num_ranks)]
+            mover = TorchHostPages(kv, geometry, core_cfg.num_pages, num_pages, counters)
+        else:
+            raw = [memory.kv_raw(rank) for rank in range(memory.num_ranks)]  # type: ignore[attr-defined]
+            kept = getattr(memory, "host_raw", None)  # --keep-state: the tier's pages in a kept file
+            reopened = kept is not None and bool(getattr(memory, "reopened", False))
+            mover = HostPages(
+                raw, geometry, core_cfg.num_pages, num_pages, counters, None if kept is None else [kept], reopened
+            )
         # The copy thread says when a load has ended; the loop drops its references (the core is the loop's).
         loop = asyncio.get_running_loop()
 

@@ -119,7 +119,9 @@ def add_parser(sub: Any, name: str = "serve") -> None:
         "there (write-back) and a match that reaches them loads them back instead of prefilling them again; "
         "one index over both tiers, shared by every session. Size it at 2-4x the device pool (--memory) for "
         "multi-turn chat; each page costs its KV bytes (kvmem serve logs the page size). With --keep-state the "
-        "tier's pages are a file in --shm-dir, kept with the pool. Off by default; cpu device, prefix cache on",
+        "tier's pages are a file in --shm-dir, kept with the pool. On a GPU (--device cuda:N, --devices) the "
+        "tier is pinned memory, one of this size per device, copied on the sidecar's own CUDA stream. Off by "
+        "default; needs the prefix cache on",
         _size,
     )
     option(

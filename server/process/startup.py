@@ -30,7 +30,7 @@ from kvmem.server.memory import (
     pages_for_budget,
     parse_size,
 )
-from kvmem.server.memory.shm import kept_key
+from kvmem.server.memory.shm import CounterFile, kept_key
 from kvmem.server.process.tls import ServerTLS, TLSConfigError
 from kvmem.server.process.tls import load as load_tls
 
@@ -185,10 +185,18 @@ def allocate(
     try:
         if devices:
             backend = cuda_backend(cfg)
+            # --host-memory: the tier's load counters, in a small shm file clients map.
+            counters = None
+            if cfg.host_memory is not None:
+                counters = CounterFile(pool.num_pages, cfg.shm_dir, mode=cfg.socket_mode, gid=access_gid(cfg))
             try:
-                return backend(pool, devices)
-            except RuntimeError as exc:  # no CUDA, a CUDA error: name the option that asked for it
-                raise StartupError(f"{_device_option(cfg)}: {exc}") from None
+                return backend(pool, devices, counters)
+            except BaseException as exc:
+                if counters is not None:
+                    counters.close()
+                if isinstance(exc, RuntimeError):  # no CUDA, a CUDA error: name the option that asked for it
+                    raise StartupError(f"{_device_option(cfg)}: {exc}") from None
+                raise
         keep = kept_key(cfg.socket_path, cfg.tcp) if cfg.keep_state else None
         try:
             return ShmBackend(
@@ -413,7 +421,7 @@ def check_config(
             "outlive the process (a CUDA allocation dies with the process that made it: docs/DESIGN.md, Shutdown)"
         )
     _check_host_memory(cfg, pool, devices)
-    if cfg.device == "cpu" and not devices:
+    if (cfg.device == "cpu" and not devices) or cfg.host_memory is not None:  # a CUDA pool's tier: its counters
         if not os.path.isdir(cfg.shm_dir):
             raise StartupError(f"--shm-dir {cfg.shm_dir}: no such directory")
         if not os.access(cfg.shm_dir, os.W_OK | os.X_OK):
@@ -446,17 +454,15 @@ def _check_host_memory(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ..
 
     if cfg.device == "none":
         raise StartupError("--host-memory keeps evicted KV in host memory: --device none has no KV memory to keep")
-    if devices or cfg.device != "cpu":
-        raise StartupError(
-            f"--host-memory is not available with {_device_option(cfg)} yet: the host tier copies pages of the CPU "
-            "pool (--device cpu) only"
-        )
     if not cfg.prefix_cache:
         raise StartupError("--host-memory keeps pages the prefix cache evicts: it needs the prefix cache on")
     if cfg.host_min_load_tokens < 1:
         raise StartupError(f"--host-min-load-tokens must be >= 1, got {cfg.host_min_load_tokens}")
     try:
-        pages = check_host_memory(parse_size(cfg.host_memory, "--host-memory"), pool.geometry, 1, cfg.host_memory)
+        num_ranks = max(1, len(devices))  # a tier per rank, each of --host-memory
+        pages = check_host_memory(
+            parse_size(cfg.host_memory, "--host-memory"), pool.geometry, num_ranks, cfg.host_memory
+        )
     except GeometryError as exc:
         raise StartupError(str(exc)) from None
     if cfg.keep_state and os.path.isdir(cfg.shm_dir):  # kept: the tier's pages are a file there, beside the pool

@@ -239,23 +239,37 @@ def test_tier_cannot_be_used_with_a_kept_image_or_without_the_prefix_cache() -> 
         KVCore(cfg, prefix_cache=False, host_tier=p.tier)
 
 
-@pytest.mark.parametrize(
-    "geometry",
-    [
-        KVGeometry("mha", num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=PS),
-        KVGeometry("mla", num_layers=3, kv_lora_rank=8, rope_dim=4, dtype="float16", page_size=PS),
-    ],
-    ids=["mha", "mla"],
-)
-def test_tier_pages_go_to_the_host_and_back_whole_in_either_format(geometry: KVGeometry) -> None:
+def _mover(kind: str, pools: list[np.ndarray], geometry: KVGeometry, num_pages: int, host_pages: int) -> Any:
+    """The numpy mover (the CPU pool's) or the torch one (a CUDA pool's, here over CPU
+    tensors; a staging run of one page, so every copy is made in several runs)."""
+    if kind == "numpy":
+        return HostPages(pools, geometry, num_pages, host_pages)
+    import torch
+
+    from kvmem.server.memory.host_torch import TorchHostPages
+
+    tensors = [torch.from_numpy(p) for p in pools]  # the same bytes: the test reads the numpy arrays
+    return TorchHostPages(tensors, geometry, num_pages, host_pages, staging_bytes=geometry.page_bytes)
+
+
+GEOMETRIES = [
+    KVGeometry("mha", num_layers=3, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=PS),
+    KVGeometry("mla", num_layers=3, kv_lora_rank=8, rope_dim=4, dtype="float16", page_size=PS),
+]
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=["mha", "mla"])
+def test_tier_pages_go_to_the_host_and_back_whole_in_either_format(geometry: KVGeometry, kind: str) -> None:
     """A page is every layer's slice of the pool (K and V for mha, the latent for mla):
     what goes to the host comes back byte for byte into another page, and nothing else
     of the pool changes. The copy back is the copy thread's, a layer at a time: layer
-    i's counter passes i only once layer i's bytes are in, and no later layer is."""
+    i's counter passes i only once layer i's bytes are in, and no later layer is. The
+    same for the torch mover (a CUDA pool's, its code run here on CPU tensors)."""
     num_pages = 6
     spec = PoolSpec(geometry, num_pages, 4, 8)
     pool = np.random.default_rng(3).integers(0, 255, spec.kv_bytes, dtype=np.uint8)
-    mover = HostPages([pool], geometry, num_pages, 3)
+    mover = _mover(kind, [pool], geometry, num_pages, 3)
     before = pool.copy()
     mover.to_host(np.array([2, 4]), np.array([1, 0]))
     view = pool.reshape(planes_of(geometry), num_pages, -1)
@@ -281,6 +295,30 @@ def test_tier_pages_go_to_the_host_and_back_whole_in_either_format(geometry: KVG
     assert np.array_equal(view[:, 5], was[:, 2]) and np.array_equal(view[:, 3], was[:, 4])
     untouched = [0, 1, 2, 4]
     assert np.array_equal(view[:, untouched], was[:, untouched])
+    mover.close()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=["mha", "mla"])
+def test_tier_pages_of_every_rank_move_together(geometry: KVGeometry, kind: str) -> None:
+    """Two tensor-parallel ranks (``--devices``: a tier per rank, one page id space):
+    a demotion and a load move the page on every rank, each into its own rank, and both
+    movers leave the same bytes."""
+    num_pages, spec = 5, PoolSpec(geometry, 5, 4, 8)
+    rng = np.random.default_rng(11)
+    pools = [rng.integers(0, 255, spec.kv_bytes, dtype=np.uint8) for _ in range(2)]
+    was = [p.copy().reshape(planes_of(geometry), num_pages, -1) for p in pools]
+    mover = _mover(kind, pools, geometry, num_pages, 4)
+    mover.to_host(np.array([0, 3, 1]), np.array([2, 0, 3]))
+    for rank in range(2):
+        assert np.array_equal(mover.page(2, rank), was[rank][:, 0]) and np.array_equal(mover.page(3, rank), was[rank][:, 1])
+    mover.start_load(np.array([2, 0, 3]), np.array([4, 2, 0]), "t")
+    mover.wait_idle()
+    for rank in range(2):
+        view = pools[rank].reshape(planes_of(geometry), num_pages, -1)
+        assert np.array_equal(view[:, [4, 2, 0]], was[rank][:, [0, 3, 1]])
+        assert np.array_equal(view[:, [1, 3]], was[rank][:, [1, 3]])
+    assert mover.counters.tolist() == [geometry.num_layers] * num_pages and list(mover.finished) == ["t"]
     mover.close()
 
 

@@ -40,18 +40,24 @@ from kvmem.client import KVMemClient
 target, action, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 PS = 4
 
-def value(token, pos, layer, kv):
-    return float(token * 1000 + pos * 10 + layer * 2 + kv)
+def value(token, pos, layer, kv, rank):
+    return float(token * 1000 + pos * 10 + layer * 2 + kv + rank * 0.5)
+
+def sync():  # a CUDA pool: the writes are done before the Step that caches them
+    if kv.memory.backend == "cuda":
+        torch.cuda.synchronize()
 
 with KVMemClient(target, name=action) as kv:
-    layers = kv.kv_cache()  # per layer (k, v), each [tokens, heads, dim]
+    ranks = [kv.kv_cache(rank) for rank in range(kv.memory.num_ranks)]  # per rank, per layer (k, v)
     (slot,) = kv.open([action]).tolist()
     if action == "write":
         r = kv.step(alloc_slots=[slot], alloc_needs=[len(tokens)])
         for pos, loc in enumerate(r.kv_loc.tolist()):
-            for layer, planes in enumerate(layers):
-                for k in range(2):
-                    planes[k][loc] = value(tokens[pos], pos, layer, k)
+            for rank, layers in enumerate(ranks):
+                for layer, planes in enumerate(layers):
+                    for k in range(2):
+                        planes[k][loc] = value(tokens[pos], pos, layer, k, rank)
+        sync()
         kv.step(release_slots=[slot], release_token_ids=[tokens])
         print(json.dumps({"ok": True}))
     elif action == "fill":
@@ -64,17 +70,18 @@ with KVMemClient(target, name=action) as kv:
         matched, loading = int(r.match_lens[0]), int(r.match_loading[0])
         # the server copies the pages in after it answers: wait for them, in this process's memory
         kv.wait_loads(slot, matched, loading, timeout=30)
-        assert kv.page_loads.ready(kv.page_loads.pages_of(kv.block_table[slot], matched, matched))
         row = kv.block_table[slot].tolist()
+        assert kv.page_loads.ready(kv.page_loads.pages_of(kv.block_table[slot], matched, matched))
         wrong = []
         for pos in range(matched):
             loc = row[pos // PS] * PS + pos % PS
-            for layer, planes in enumerate(layers):
-                for k in range(2):
-                    want = value(tokens[pos], pos, layer, k)
-                    got = planes[k][loc].tolist()
-                    if got != [[want, want]]:
-                        wrong.append([pos, layer, k, got])
+            for rank, layers in enumerate(ranks):
+                for layer, planes in enumerate(layers):
+                    for k in range(2):
+                        want = value(tokens[pos], pos, layer, k, rank)
+                        got = planes[k][loc].tolist()
+                        if got != [[want, want]]:
+                            wrong.append([pos, rank, layer, k, got])
         print(json.dumps({"matched": matched, "wrong": wrong[:5], "loading_ok": loading in (0, 4, 8, 12)}))
 """
 
@@ -167,6 +174,39 @@ def test_tier_a_prefix_evicted_by_another_process_is_read_back_from_the_host_by_
             if batch.snapshot_done:
                 break
     assert sorted(snapshot) == [("CPU", 3), ("GPU", 3)], snapshot
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("devices", [("--device", "cuda:0"), ("--devices", "0,1")], ids=["cuda0", "tp2"])
+def test_tier_on_a_cuda_pool_a_prefix_evicted_is_read_back_from_pinned_host_memory(devices: tuple[str, ...]) -> None:
+    """The same round trip on a CUDA pool (bench/gpu_check.sh runs it where a GPU is
+    lent): the pages go to pinned host memory (a tier per rank with ``--devices``), the
+    load is copied in on the server's own stream, and a third process reads every rank's
+    K and V back through CUDA IPC after waiting on the counters in its shared memory."""
+    need = 2 if devices[0] == "--devices" else 1
+    if _gpus() < need:
+        pytest.skip(f"needs {need} CUDA device(s), this host has {_gpus()}")
+    flags = [*FLAGS[2:], *devices]  # FLAGS without its --device cpu
+    srv = start_server(short_tmpdir(), *flags)
+    try:
+        assert client(srv.target, "write", PROMPT) == {"ok": True}
+        assert client(srv.target, "fill", list(range(500, 532))) == {"ok": True}
+        with KVMemClient(srv.target, name="look") as kv:
+            st = kv.stats(audit=True)
+            assert st.audit.ok, st.audit.problems
+            assert (st.host_tier.num_cached_pages, st.host_tier.num_demoted) == (3, 3)
+        got = client(srv.target, "read", PROMPT)
+        assert got == {"matched": 12, "wrong": [], "loading_ok": True}, got
+        with KVMemClient(srv.target, name="look") as kv:
+            st = kv.stats(audit=True)
+            assert st.audit.ok and st.host_tier.num_loaded == 3, st
+    finally:
+        assert srv.stop() == 0, srv.log()
 
 
 @pytest.mark.parametrize(
