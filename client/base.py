@@ -40,6 +40,11 @@ class ClientBase:
     (sessions of other namespaces never see them: other models, adapters, tenants);
     empty is the shared default. ``prefix_cache`` says what the server does with it.
 
+    ``model_id``: the model (with its weights revision: ``"org/name@revision"``) whose KV
+    this session reads and writes. A server with a store (``kvmem serve --store``) makes
+    its store keys from it, so nodes share pages only for the same weights; a session
+    naming another model than the server's is refused (``MODEL_MISMATCH``).
+
     ``wait_for_ready`` (default on): the Attach waits for a server that is not there yet
     (no socket, connection refused) or not ready (its KV memory not allocated yet:
     ``NOT_READY``), retrying up to ``timeout`` seconds, so a scheduler may start before
@@ -88,6 +93,7 @@ class ClientBase:
         on_views_stale: Callable[[SessionLost], None] | None = None,
         on_resumed: Callable[[Resumed], None] | None = None,
         cache_namespace: str = "",
+        model_id: str = "",
         wait_for_ready: bool = True,
         tls_ca: PemSource | bool | None = None,
         tls_server_name: str | None = None,
@@ -106,6 +112,7 @@ class ClientBase:
             auth_token=auth_token,
             keepalive=keepalive,
             cache_namespace=cache_namespace,
+            model_id=model_id,
             wait_for_ready=wait_for_ready,
             step_stream=step_stream,
         )

@@ -67,6 +67,7 @@ class Session(Resuming, Handoffs):
         auth_token: str | None,
         keepalive: bool,
         cache_namespace: str = "",
+        model_id: str = "",
         wait_for_ready: bool = True,
         step_stream: bool = True,
     ) -> None:
@@ -75,6 +76,7 @@ class Session(Resuming, Handoffs):
         self.name = name
         self.quota_pages = quota_pages
         self.cache_namespace = cache_namespace
+        self.model_id = model_id
         self.timeout = checked_timeout(timeout)
         self.metadata = auth_metadata(auth_token)
         self.keepalive = keepalive
@@ -122,7 +124,7 @@ class Session(Resuming, Handoffs):
         self._check_not_lost()
         if self.session_id:
             raise RuntimeError(f"already attached as session {self.session_id[:6]}...: one client is one session")
-        request = kvmem_pb2.AttachRequest(name=self.name, cache_namespace=self.cache_namespace)
+        request = kvmem_pb2.AttachRequest(name=self.name, cache_namespace=self.cache_namespace, model_id=self.model_id)
         if self.quota_pages is not None:
             request.quota_pages = self.quota_pages
         return Call("Attach", request, self.timeout, self._attached)

@@ -224,6 +224,7 @@ class StepResult:
         "_cache_switched",
         "_kv_loc",
         "_kv_loc_offsets",
+        "_match_fetching",
         "_match_lens",
         "_match_loading",
         "_new_page_offsets",
@@ -247,6 +248,13 @@ class StepResult:
         "host tier when it answered (0 without one): wait for them (KVMemClient.wait_loads) before reading their K/V.",
         "match_lens",
     )
+    match_fetching = _ZerosView(
+        "match_fetching",
+        torch.int32,
+        "int32 [m]: per match item, tokens after its match_lens that the server is fetching from its store "
+        "(kvmem serve --store; 0 without one): hold the request a bounded time and match it again to load them.",
+        "match_lens",
+    )
     cache_switched = _BytesView(
         "cache_switched",
         torch.int32,
@@ -260,7 +268,7 @@ class StepResult:
         self._resp = resp
         self._status = self._kv_loc = self._kv_loc_offsets = None
         self._new_pages = self._new_page_offsets = None
-        self._match_lens = self._match_loading = self._cache_switched = None
+        self._match_lens = self._match_loading = self._match_fetching = self._cache_switched = None
         self._adopt_slots = self._adopt_lens = None
 
     @property

@@ -47,6 +47,7 @@ class Reason(enum.Enum):
     TRUNCATE_BEYOND_ALLOCED = ("TRUNCATE_BEYOND_ALLOCED", ErrorKind.FAILED_PRECONDITION)
     PAGE_SHARED = ("PAGE_SHARED", ErrorKind.FAILED_PRECONDITION)  # a write into a page the prefix cache shares
     NAMESPACE_MISMATCH = ("NAMESPACE_MISMATCH", ErrorKind.FAILED_PRECONDITION)  # a ticket of another namespace
+    MODEL_MISMATCH = ("MODEL_MISMATCH", ErrorKind.FAILED_PRECONDITION)  # an Attach naming another model (--store)
     # RESOURCE_EXHAUSTED: a resource that is not pages (pages are a per-item result).
     NO_FREE_REQUEST_SLOT = ("NO_FREE_REQUEST_SLOT", ErrorKind.RESOURCE_EXHAUSTED)
     TOO_MANY_SESSIONS = ("TOO_MANY_SESSIONS", ErrorKind.RESOURCE_EXHAUSTED)  # the max_sessions limit

@@ -303,6 +303,9 @@ class StepOutcome:
     match_loading: np.ndarray = dataclasses.field(
         default_factory=_no_int32
     )  # int32 [m] with a host tier: of each match's tokens, the last ones still being copied in
+    match_fetching: np.ndarray = dataclasses.field(
+        default_factory=_no_int32
+    )  # int32 [m] with a store: tokens after each match's that are being fetched from the store
 
 
 def raise_first(bad: np.ndarray, error: Callable[[int], KVMemError]) -> None:

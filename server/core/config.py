@@ -89,6 +89,7 @@ class PoolStats:
     num_handoff_tickets: int = 0  # open hand-off tickets
     num_handoff_pages: int = 0  # page references their requests hold (counted in num_used_pages)
     host: HostTierStats | None = None  # None: no host tier
+    store: dict[str, object] | None = None  # the store link's figures (kvmem serve --store), proto StoreStats' fields
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

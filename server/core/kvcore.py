@@ -227,7 +227,8 @@ class KVCore:
         Cost: O(n + T + P) numpy work, vectorised across the items; a Python loop over
         items only when the pool or the quota runs short (never over tokens).
         """
-        if self.host_tier is not None and self.host_tier.mover.finished:
+        tier = self.host_tier
+        if tier is not None and (tier.mover.finished or (tier.link is not None and tier.link.results)):
             self.finish_loads()
         requests = self.slots
         state = requests.owner(owner)
@@ -275,10 +276,13 @@ class KVCore:
         if tier is None:
             return 0
         done = tier.finished()
-        if not done:
+        stored = tier.link is not None and tier.store_results(self.cache.index)
+        if not done and not stored:
             return 0
-        pages = np.concatenate(done) if len(done) > 1 else done[0]
-        self.pool.unref(pages)
+        pages = np.zeros(0, dtype=np.int32) if not done else np.concatenate(done) if len(done) > 1 else done[0]
+        if pages.size:
+            self.pool.unref(pages)
+        self.cache.events += tier.take_events()  # the store's pages installed, host pages evicted for them
         self._finish()
         return int(pages.size)
 
@@ -321,9 +325,11 @@ class KVCore:
         switched, changed = NO_INT32, list[int]()
         if plan is not None and batch.cache_slots.size:
             switched, changed = prefix_step.cache_rows(cache, requests, batch, plan, state.namespace)
-        lens, loading, needs = NO_INT32, NO_INT32, batch.alloc_needs
+        lens, loading, fetching, needs = NO_INT32, NO_INT32, NO_INT32, batch.alloc_needs
         if ms.size:
-            lens, loading = prefix_step.match(cache, requests, state, batch, quota_pages, self.config.max_context_len)
+            lens, loading, fetching = prefix_step.match(
+                cache, requests, state, batch, quota_pages, self.config.max_context_len
+            )
             if cur is not None:
                 cur = requests.alloced[al]  # matched slots start where their match ended
                 needs = prefix_step.remainders(requests, batch, lens)
@@ -356,6 +362,7 @@ class KVCore:
         if adoption is not None:
             result.adopt_slots, result.adopt_lens, result.adopt_states = adoption
         result.match_loading = loading
+        result.match_fetching = fetching
         self._finish()
         return result
 
@@ -403,6 +410,7 @@ class KVCore:
             prefix_query_tokens=cache.query_tokens,
             prefix_hit_tokens=cache.hit_tokens,
             host=self._host_stats(),
+            store=None if self.host_tier is None or self.host_tier.link is None else self.host_tier.link.snapshot(),
         )
 
     def _host_stats(self) -> HostTierStats | None:
@@ -454,6 +462,9 @@ class KVCore:
             self.cache.events = []
             if self.event_sink is not None:
                 self.event_sink(events)
+        tier = self.host_tier
+        if tier is not None and tier.link is not None:  # the store's thread: the events, then what the call asked
+            tier.link.flush(events)
         if self.audit_every_step:
             report = self.audit()
             if not report.ok:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import numpy as np
 
 from kvmem.server.core.batch import NO_EXPECTATION, NO_INT32, StepBatch, TokenLists, raise_first
+from kvmem.server.core.image import row_items
 from kvmem.server.core.prefix import PrefixCache
 from kvmem.server.core.slots import Owner, RequestTable
 from kvmem.server.core.table import BlockTable
@@ -200,11 +202,14 @@ def _insert_rows(
     table = requests.table
     width = table.width
     root = cache.root(ns)
+    rows = _RowPages(cache, table, which, tokens) if cache.keeps_image else None
     for i, (slot, keys) in enumerate(zip(which.tolist(), plan_keys, strict=True)):
         if not keys:
             continue
         row = table.array[slot, : len(keys)]
-        kept = np.array(cache.insert(row.tolist(), keys, tokens.item(i), ns, root), dtype=np.int32)
+        kept = np.array(cache.insert(row.tolist(), keys, tokens.item(i), ns, root, 0, rows is None), dtype=np.int32)
+        if rows is not None:
+            rows.keys.append(b"".join(keys))  # while they are at hand (joined at the end, they are cold)
         moved = kept != row
         count = int(np.count_nonzero(moved))
         if count:
@@ -212,12 +217,60 @@ def _insert_rows(
             kept_pages.append(kept[moved])
             switched[i] = count
             changed.append(slot)
+    if rows is not None:
+        rows.pend_inserted(root, ns)
     if where:
         if len(where) == 1:
             requests.switch(where[0], kept_pages[0])
         else:
             requests.switch(np.concatenate(where), np.concatenate(kept_pages))
     return switched, changed
+
+
+class _RowPages:
+    """The full pages of the items' rows before :func:`_insert_rows` inserts them, and
+    which were cached then: after it, the pages cached since are those it inserted
+    (a row's pages that are not cached are its own, in no other row; none is evicted
+    in between, and a switch moves only pages not inserted), and
+    :meth:`pend_inserted` hands their facts to the cache's image, all items at once,
+    vectorised (:meth:`PrefixCache.pend_image`). O(items + pages)."""
+
+    def __init__(self, cache: PrefixCache, table: BlockTable, which: np.ndarray, tokens: TokenLists) -> None:
+        ps = table.page_size
+        self.cache, self.table, self.tokens = cache, table, tokens
+        self.sizes = sizes = tokens.lengths() // ps  # the items' full pages (each item's keys)
+        total = int(sizes.sum())
+        self.starts = starts = np.repeat(np.cumsum(sizes) - sizes, sizes)  # per page, where its item's start
+        self.cols = cols = np.arange(total) - starts  # per page, its column
+        self.item = np.repeat(np.arange(sizes.size), sizes)
+        self.pages = table.flat[which[self.item] * table.width + cols]
+        self.was = cache.cached[self.pages]
+        self.keys: list[bytes] = []  # per item with full pages, its keys joined (the loop appends them)
+
+    def pend_inserted(self, root: bytes, ns: str) -> None:
+        """The pages cached since, with their keys (:attr:`keys`), parents
+        (``root`` for a chain's first) and token rows, to the cache's image."""
+        cache, pages = self.cache, self.pages
+        new = cache.cached[pages] & ~self.was
+        at = np.flatnonzero(new)  # a new page's index among all the items' pages (and keys)
+        if not at.size:
+            return
+        kind = cache.key_item
+        all_keys = np.frombuffer(b"".join(self.keys), kind)
+        if all_keys.size != pages.size:  # every item's keys are its full pages'
+            raise AssertionError(f"{all_keys.size} keys for {pages.size} full pages")
+        all_new = at.size == pages.size
+        keys = all_keys if all_new else all_keys[at]
+        cols = self.cols if all_new else self.cols[at]
+        parents = all_keys.take(at - 1)  # the key before it in its chain (a first page's: the root, below)
+        parents[cols == 0] = np.frombuffer(root, kind)[0]
+        ps, ids = self.table.page_size, self.tokens.ids
+        first = self.tokens.offsets[self.item[at]] + cols * ps  # a page's first token in ids
+        if ids.dtype == np.int32 and ids.flags.c_contiguous and not (first % ps).any():  # whole rows of ids
+            rows = row_items(ids[: ids.size // ps * ps].reshape(-1, ps))[first // ps]
+        else:
+            rows = row_items(np.ascontiguousarray(ids[first[:, None] + np.arange(ps)], dtype=np.int32))
+        cache.pend_image((pages if all_new else pages[at]).astype(np.intp), keys, parents, rows, ns)
 
 
 def cache_rows(
@@ -234,16 +287,17 @@ def cache_rows(
 
 def match(
     cache: PrefixCache, requests: RequestTable, state: Owner, batch: StepBatch, quota: int | None, max_context_len: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Match items: find each fresh request's longest run of cached pages (at most
     ``min(len, max_tokens)`` tokens, within the context limit and the owner's quota),
     then :meth:`RequestTable.attach` writes them into the rows and sets the lengths.
-    Returns tokens matched per item (int32), and with a host tier how many of them are
-    still loading (int32; else empty)."""
+    Returns tokens matched per item (int32), with a host tier how many of them are
+    still loading (int32; else empty), and with a store how many tokens after the match
+    are being fetched from it (int32; else empty: :func:`_want`)."""
     ms, tokens = batch.match_slots, batch.match_tokens
     n = int(ms.size)
     if not n or tokens is None:
-        return NO_INT32, NO_INT32
+        return NO_INT32, NO_INT32, NO_INT32
     lens = np.zeros(n, dtype=np.int32)
     limits = tokens.lengths()
     if batch.match_max_tokens is not None and batch.match_max_tokens.size:
@@ -254,8 +308,10 @@ def match(
     cache.query_tokens += queried
     tier = cache.tier
     none_loading = NO_INT32 if tier is None else np.zeros(n, dtype=np.int32)
-    if not cache.enabled or not (cache.num_entries or (tier is not None and tier.num_cached)):
-        return lens, none_loading
+    link = None if tier is None else tier.link
+    fetching = NO_INT32 if link is None else np.zeros(n, dtype=np.int32)
+    if not cache.enabled or not (cache.num_entries or (tier is not None and tier.num_cached) or link is not None):
+        return lens, none_loading, fetching
     ps, ns, get = requests.table.page_size, state.namespace, cache.index.get
     root = cache.root(ns)
     most = max_context_len // ps
@@ -283,11 +339,16 @@ def match(
             hit_slots.append(slot)
             runs.append(run)
             lens[i] = m * ps
+        held = m  # pages the node holds: the device's run, then the host's
         if missed is not None and tier is not None and missed in tier.index:
             more, host = tier.run(itertools.chain((missed,), keys))
+            held += len(more)
             if len(more) >= tier.min_load_pages:  # else computing them beats copying them
                 loads.append(_Load(i, slot, m, host, more, last))
                 m += len(more)
+            last = more[-1] if more else last
+        if link is not None and missed is not None and held < k:
+            fetching[i] = _want(cache, link, ns, root, last, tokens.item(i), held, k, ps)
         if quota_left is not None:
             quota_left -= m
     if runs:
@@ -297,8 +358,20 @@ def match(
         assert tier is not None
         _load(cache, tier, requests, state, loads, tokens, lens)
     if tier is None or not tier.num_loading_pages:
-        return lens, none_loading
-    return lens, _still_loading(tier, requests.table, ms, lens)
+        return lens, none_loading, fetching
+    return lens, _still_loading(tier, requests.table, ms, lens), fetching
+
+
+def _want(
+    cache: PrefixCache, link: Any, ns: str, root: bytes, last: bytes, ids: np.ndarray, held: int, k: int, ps: int
+) -> int:
+    """Ask the store's thread for a match's continuation: the full pages from column
+    ``held`` (the node holds the ones before, the last under ``last``) to ``k``, their
+    local keys computed here (the store's digests on the thread). Returns the tokens
+    asked for (0: none). O(pages asked) hashing."""
+    rest = ids[held * ps : k * ps]
+    keys = list(cache.page_keys.keys(ns, last, rest, k - held, ps))
+    return int(link.want(ns, last, root, keys, rest, held))
 
 
 def _still_loading(tier: HostTier, table: BlockTable, ms: np.ndarray, lens: np.ndarray) -> np.ndarray:

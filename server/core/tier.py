@@ -118,6 +118,12 @@ class HostTier:
         self.num_evicted = 0  # host pages evicted to make room
         self.num_dropped = 0  # evicted device pages the host could not take in their call
         self.hit_tokens = 0  # tokens matches took from the host
+        # The cluster tier (kvmem serve --store; kvmem.server.store.link.StoreLink): host pages
+        # pinned until the store has them, and pages reserved for values being read from it.
+        self.link: Any = None
+        self.storing: collections.Counter[int] = collections.Counter()
+        self.fetching: set[int] = set()
+        self.num_fetched = 0  # pages the store gave (read, checked, installed)
 
     @property
     def num_free(self) -> int:
@@ -157,7 +163,7 @@ class HostTier:
         in_batch = set(keys)
         kept: set[bytes] = set()
         keep = [False] * n
-        budget = self.num_pages - len(pinned)
+        budget = self.num_pages - len(pinned) - len(self.fetching)
         for i in range(n - 1, -1, -1):
             key = keys[i]
             have = index.get(key)
@@ -234,6 +240,97 @@ class HostTier:
             image.host_lru[used] = np.arange(self._seq + 1, self._seq + 1 + len(used))
             self._seq += len(used)
         self.num_demoted += len(new)
+        if host and self.link is not None:  # to the store, from the host page (pinned until written)
+            self._offer(host, [keys[i] for i in new])
+
+    # ------------------------------------------------------------ the store (--store)
+
+    def _offer(self, host: list[int], keys: list[bytes]) -> None:
+        """New host pages to the store's thread; those it takes stay pinned until written."""
+        taken = self.link.offer(host, keys)
+        if taken:
+            self.pin(host[:taken])
+            self.storing.update(host[:taken])
+
+    def store_results(self, device_index: dict[bytes, int]) -> bool:
+        """What the store's thread handed back since the last call: pages written
+        (unpinned), fetches the store has pages for (host pages reserved, sent to be
+        read), fetches read and checked (their valid pages installed: a chain's first
+        pages, while the page before them is cached on a tier). Whether anything
+        changed. O(pages)."""
+        results = self.link.results
+        changed = False
+        while results:
+            kind, item = results.popleft()
+            if kind == "written":
+                self.link.writing -= len(item)
+                self.unpin(item)
+                storing = self.storing
+                for page in item:
+                    if storing[page] > 1:
+                        storing[page] -= 1
+                    else:
+                        del storing[page]
+            elif kind == "found":
+                self._reserve(item)
+                changed = True
+            else:  # "fetched"
+                self._install(item, device_index)
+                changed = True
+        return changed
+
+    def _reserve(self, fetch: Any) -> None:
+        """Host pages for the first ``fetch.found`` pages of a fetch (the least recently
+        used evicted for them; none pinned), then the thread reads them. O(pages)."""
+        n = min(fetch.found, len(self._free) + len(self._lru))
+        if n < fetch.found:
+            self.link.counters.no_room += fetch.found - n
+        if n:
+            self._make_room(n)
+            fetch.host = [self._free.pop() for _ in range(n)]
+            self.fetching.update(fetch.host)
+        self.link.reserved(fetch)
+
+    def _install(self, fetch: Any, device_index: dict[bytes, int]) -> None:
+        """A fetch's pages read and checked: the first ``fetch.valid`` cached under their
+        keys (one the tiers hold already is left as it is; none when the page before
+        them has left both tiers meanwhile: a chain never breaks), the rest freed."""
+        host = fetch.host
+        self.fetching.difference_update(host)
+        ok = fetch.valid
+        if fetch.depth and fetch.parent not in self.index and fetch.parent not in device_index:
+            ok = 0
+        ps = self.page_size
+        placed: list[int] = []
+        keys: list[bytes] = []
+        parent = fetch.parent
+        for j in range(ok):
+            key = fetch.keys[j]
+            if key in self.index or key in device_index:
+                parent = key
+                continue
+            page = host[j]
+            self.index[key] = page
+            self.key[page] = key
+            self.parent[page] = parent
+            self.namespace[page] = fetch.namespace
+            self.tokens[page] = np.ascontiguousarray(fetch.tokens[j * ps : (j + 1) * ps], dtype=np.int32)
+            self.depth[page] = fetch.depth + j
+            placed.append(page)
+            keys.append(key)
+            first_parent = None if fetch.depth + j == 0 else parent
+            self.events.append(PagesStored([key], first_parent, self.tokens[page], ps, fetch.namespace, HOST))
+            parent = key
+        for page in reversed(placed):  # the run's end first: a parent stays more recent than its child
+            self._used(page)
+        if placed and self.image is not None:
+            self._write_facts(placed, keys, [self.parent[p] for p in placed], [fetch.namespace] * len(placed),
+                              [self.tokens[p] for p in placed], self.depth[placed])  # fmt: skip
+        self.num_fetched += len(placed)
+        taken = set(placed)
+        for page in host:
+            if page not in taken:
+                self._release(page)
 
     def _used(self, page: int) -> None:
         """``page`` is the most recently used (the LRU order's end; the image's clock)."""
@@ -462,14 +559,18 @@ class HostTier:
         if lru | pinned != cached or lru & pinned:
             problems.append("host tier: the LRU order and the pinned pages do not cover the cached pages once each")
         in_copy = [h for host, _, _ in self.loading.values() for h in host]
-        if len(in_copy) != self.num_loading_pages or self._pinned != collections.Counter(in_copy):
+        if len(in_copy) != self.num_loading_pages or self._pinned != collections.Counter(in_copy) + self.storing:
             problems.append(
                 f"host tier: {len(in_copy)} pages in copy ({self.num_loading_pages} by the count), "
                 f"{len(self._pinned)} pinned (between calls, exactly the pages in copy are)"
             )
-        if len(free) + len(cached) != self.num_pages:
+        fetching = self.fetching
+        if fetching & (free | cached):
+            problems.append(f"host tier: pages reserved for the store also free or cached: {sorted(fetching)[:8]}")
+        if len(free) + len(cached) + len(fetching) != self.num_pages:
             problems.append(
-                f"host tier: {len(free)} free + {len(cached)} cached != {self.num_pages} pages (some are lost)"
+                f"host tier: {len(free)} free + {len(cached)} cached + {len(fetching)} being read from the store "
+                f"!= {self.num_pages} pages (some are lost)"
             )
         for key, page in self.index.items():
             if self.key[page] != key:

@@ -79,6 +79,11 @@ class KVMemoryService(kvmem_pb2_grpc.KVMemoryServicer):
     def Attach(self, request: kvmem_pb2.AttachRequest, context: grpc.aio.ServicerContext) -> kvmem_pb2.AttachResponse:
         quota = request.quota_pages if request.HasField("quota_pages") else None
         sessions = self.sessions
+        if request.model_id:  # with a store: part of every store key (one model per server)
+            tier = sessions.core.host_tier
+            refused = None if tier is None or tier.link is None else tier.link.set_model(request.model_id)
+            if refused is not None:
+                raise KVMemError(Reason.MODEL_MISMATCH, refused)
         resumed = None
         if request.resume_session_id:
             resumed = sessions.resume(request.resume_session_id)

@@ -294,6 +294,8 @@ def step_response(
         resp.num_pages_cached = result.num_pages_cached
         if result.match_loading.size:
             resp.match_loading = le_bytes(result.match_loading)
+        if result.match_fetching.size:
+            resp.match_fetching = le_bytes(result.match_fetching)
     return resp
 
 
@@ -357,6 +359,7 @@ def stats_response(
         num_handoffs_expired=stats.handoffs[2],
         num_handoffs_given_up=stats.handoffs[3],
         host_tier=_host_tier(pool.host),
+        store=None if pool.store is None else kvmem_pb2.StoreStats(**pool.store),  # type: ignore[arg-type]
     )
 
 

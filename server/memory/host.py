@@ -146,7 +146,12 @@ class PageCopier(abc.ABC):
 
     @abc.abstractmethod
     def page(self, host_page: int, rank: int = 0) -> np.ndarray:
-        """One host page's bytes ``[planes, row]``: for tests and tools."""
+        """One host page's bytes ``[planes, row]`` (a contiguous view): the store's
+        thread reads and writes pages through it; tests and tools."""
+
+    @abc.abstractmethod
+    def buffers(self) -> list[np.ndarray]:
+        """Each rank's host pages whole, flat ``uint8`` (a store registers them)."""
 
     # ------------------------------------------------------------ loads
 
@@ -300,3 +305,6 @@ class HostPages(PageCopier):
     def page(self, host_page: int, rank: int = 0) -> np.ndarray:
         """One host page's bytes ``[planes, row]`` (a view): for tests and tools."""
         return self._host[rank][host_page]
+
+    def buffers(self) -> list[np.ndarray]:
+        return [h.reshape(-1) for h in self._host]

@@ -159,6 +159,9 @@ class TorchHostPages(PageCopier):
         """One host page's bytes ``[planes, row]`` (a view): for tests and tools."""
         return self._host[rank][host_page].numpy()
 
+    def buffers(self) -> list[np.ndarray]:
+        return [h.numpy().reshape(-1) for h in self._host]
+
     def close(self) -> None:
         """Stop the copy thread, then unpin the host pages. Idempotent."""
         super().close()

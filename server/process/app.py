@@ -64,6 +64,7 @@ class KVMemServer:
         self.service: KVMemoryService | None = None
         self.memory: MemoryBackend | None = None
         self._mover: Any = None  # the host tier's HostPages (--host-memory): its copy thread
+        self._link: Any = None  # the store's thread (--store): kvmem.server.store.link.StoreLink
         self._reaper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self.metrics_server: MetricsServer | None = None
@@ -343,12 +344,50 @@ class KVMemServer:
             num_pages,
             format_size(num_pages * geometry.page_bytes),
             format_size(geometry.page_bytes),
-            self.config.host_write_policy,
+            "write-through (--store)" if self.config.store is not None else self.config.host_write_policy,
         )
         min_pages = -(-self.config.host_min_load_tokens // core_cfg.page_size)
-        policy = self.config.host_write_policy
-        tier = HostTier(num_pages, core_cfg.page_size, mover, min_pages, write_through=policy == "write-through")
+        # With a store, pages go to the host tier as they are cached: the store is written from there.
+        through = self.config.host_write_policy == "write-through" or self.config.store is not None
+        tier = HostTier(num_pages, core_cfg.page_size, mover, min_pages, write_through=through)
+        if self.config.store is not None:
+            tier.link = self._store_link(mover, memory.num_ranks, num_pages, geometry, notify)
         return tier, geometry.page_bytes * memory.num_ranks
+
+    def _store_link(self, mover: Any, ranks: int, host_pages: int, geometry: Any, notify: Any) -> Any:
+        """``--store``: the store's thread, between the host tier and the store (it
+        connects on its own, and again after a failure)."""
+        from kvmem.server.process.startup import store_secrets
+        from kvmem.server.store.base import open_store
+        from kvmem.server.store.link import StoreLink
+
+        cfg = self.config
+        assert cfg.store is not None
+        password, key = store_secrets(cfg)
+        store = open_store(cfg.store, password, cfg.store_timeout_s)
+        link = StoreLink(
+            store,
+            mover.page,
+            mover.buffers(),
+            geometry,
+            ranks,
+            cfg.prefix_hash,
+            cfg.prefix_hash_seed,
+            key,
+            max_writes=min(cfg.store_write_queue, max(1, host_pages // 2)),
+            max_fetch_pages=max(1, min(512, host_pages // 4)),
+        )
+        link.notify = notify
+        link.start()
+        self._link = link
+        log.info(
+            "store: %s (%s), writes from the host tier (at most %d pages waiting), fetches of up to %d pages",
+            store.describe(),
+            "values under an HMAC key" if key is not None else "values checksummed, no key: docs/DEPLOY.md",
+            link.max_writes,
+            link.max_fetch_pages,
+        )
+        return link
 
     def _loads_finished(self) -> None:
         """On the loop, after the copy thread ended a load: the core takes it back."""
@@ -356,7 +395,10 @@ class KVMemServer:
             self.sessions.core.finish_loads()
 
     def _stop_copies(self) -> None:
-        """The host tier's copy thread ends before the memory it copies goes."""
+        """The store's thread and the host tier's copy thread end before the memory they copy goes."""
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
         mover, self._mover = self._mover, None
         if mover is not None:
             mover.close()

@@ -248,6 +248,7 @@ def add_parser(sub: Any, name: str = "serve") -> None:
         integer(0, "milliseconds"),
     )
     _add_prefix_options(serve)
+    _add_store_options(serve)
     option(serve, "--log-level", "info", "debug, info, warning or error", one_of("debug", "info", "warning", "error"))
     option(
         serve,
@@ -332,6 +333,58 @@ def _add_prefix_options(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_store_options(serve: argparse.ArgumentParser) -> None:
+    store = serve.add_argument_group(
+        "cluster tier (a store every node shares)",
+        "Pages the cache takes are written, under content keys (SHA-256 of the model, the KV layout, the "
+        "namespace and the tokens), to an existing distributed store: a prefix one node computed is read on "
+        "every other. Writes and reads run on a thread of their own: a Step never waits for the store, and a "
+        "store that is down or slow only makes matches miss. Needs --host-memory (fetched pages arrive there; "
+        "with a store, pages go there as they are cached). docs/DEPLOY.md: the store beside the sidecars.",
+    )
+    option(
+        store,
+        "--store",
+        None,
+        "the store's URL: mooncake://MASTER:PORT?protocol=tcp&metadata=P2PHANDSHAKE&local_hostname=HOST&"
+        "segment=SIZE (Mooncake Store; pip install 'kvmem[mooncake-cpu]', or Mooncake's CUDA build on a GPU "
+        "node), redis://HOST:PORT[/DB], rediss://HOST:PORT?ca=FILE (TLS), redis+cluster://H1:P1,H2:P2 (Redis "
+        "Cluster), valkey://HOST:PORT (pip install 'kvmem[store]'). Never a password in it: "
+        "--store-password-file or KVMEM_STORE_PASSWORD. Default: none",
+    )
+    option(
+        store,
+        "--store-password-file",
+        None,
+        "a file whose first line is the store's password (or set KVMEM_STORE_PASSWORD); never in the URL, "
+        "which ps and the logs show",
+    )
+    option(
+        store,
+        "--store-key-file",
+        None,
+        "a file with a secret key (at least 16 bytes) shared by the nodes: every value carries an "
+        "HMAC-SHA-256 under it, and a value without the right one is a miss. Without it a checksum catches "
+        "corruption, not a writer: anyone who can write the store can plant K/V (docs/DEPLOY.md)",
+    )
+    option(
+        store,
+        "--store-timeout-ms",
+        200,
+        "the bound of one store call (connect, write, look up, read); a call past it counts as a failure, "
+        "its pages as misses, and the store as unreachable until a reconnect (with backoff)",
+        integer(1, "ms"),
+    )
+    option(
+        store,
+        "--store-write-queue",
+        1024,
+        "host pages that may wait for their write to the store at once (each pinned in the host tier until "
+        "written); a page cached past it is not written (counted in kvmem stats), the Step never waits",
+        integer(1, "pages"),
+    )
+
+
 def _size(raw: str) -> str:
     """``--memory``: a positive size such as 40GiB (kept as text; the server sizes the pool)."""
     from kvmem.server.memory.geometry import GeometryError, parse_size
@@ -408,6 +461,11 @@ def run(args: argparse.Namespace) -> int:
         host_memory=args.host_memory,
         host_min_load_tokens=args.host_min_load_tokens,
         host_write_policy=args.host_write_policy,
+        store=args.store,
+        store_password_file=args.store_password_file,
+        store_key_file=args.store_key_file,
+        store_timeout_s=args.store_timeout_ms / 1000,
+        store_write_queue=args.store_write_queue,
         device=args.device,
         devices=args.devices or (),
         shm_dir=args.shm_dir,

@@ -77,6 +77,12 @@ class ServerConfig:
     host_memory: str | None = None  # the host tier's size per rank ("16GiB"); None: no host tier
     host_min_load_tokens: int = 1  # a load from the host tier shorter than this is computed (1: any page)
     host_write_policy: str = "write-back"  # or "write-through": when cached pages are copied to the host tier
+    # The cluster tier (kvmem.server.store): an existing store's URL (no password in it); None: none.
+    store: str | None = None
+    store_password_file: str | None = None  # its first line; else KVMEM_STORE_PASSWORD; else none
+    store_key_file: str | None = None  # the HMAC key every value carries (None: a checksum only)
+    store_timeout_s: float = 0.2  # the bound of one store call
+    store_write_queue: int = 1024  # host pages pinned for their write at once
     max_requests: int = 256
     max_context_len: int = 8192
     # KV memory: "cpu" = the shm backend, "cuda:N" = one GPU, "none" = no KV memory.
@@ -421,6 +427,7 @@ def check_config(
             "outlive the process (a CUDA allocation dies with the process that made it: docs/DESIGN.md, Shutdown)"
         )
     _check_host_memory(cfg, pool, devices)
+    _check_store(cfg)
     if (cfg.device == "cpu" and not devices) or cfg.host_memory is not None:  # a CUDA pool's tier: its counters
         if not os.path.isdir(cfg.shm_dir):
             raise StartupError(f"--shm-dir {cfg.shm_dir}: no such directory")
@@ -474,6 +481,62 @@ def _check_host_memory(cfg: ServerConfig, pool: PoolSpec, devices: tuple[int, ..
                 f"{cfg.shm_dir}: the pool and the tier need {format_size(need)}, it holds {format_size(total)} in all "
                 "(docker run --shm-size)"
             )
+
+
+def _check_store(cfg: ServerConfig) -> None:
+    """``--store``: what it needs, a URL an adapter takes, its client installed, the
+    password and key files readable. The store itself may be down: the server starts
+    and connects when it can."""
+    if cfg.store is None:
+        for given, name in (
+            (cfg.store_password_file, "--store-password-file"),
+            (cfg.store_key_file, "--store-key-file"),
+        ):
+            if given is not None:
+                raise StartupError(f"{name} is for --store: give the store's URL too")
+        return
+    if cfg.host_memory is None:
+        raise StartupError(
+            "--store needs --host-memory: pages fetched from the store arrive in the host tier, and pages go to "
+            "the store from it"
+        )
+    store_secrets(cfg)
+    from kvmem.server.store.base import StoreURLError, open_store
+
+    try:
+        open_store(cfg.store, None, cfg.store_timeout_s)
+    except StoreURLError as exc:
+        raise StartupError(str(exc)) from None
+    except ImportError as exc:
+        raise StartupError(f"--store {cfg.store}: {exc}") from None
+
+
+def store_secrets(cfg: ServerConfig) -> tuple[str | None, bytes | None]:
+    """The store's password (``--store-password-file``'s first line, else
+    ``KVMEM_STORE_PASSWORD``, else None) and the HMAC key (``--store-key-file``'s
+    bytes, else None); a StartupError naming the file that cannot be used."""
+    password = os.environ.get("KVMEM_STORE_PASSWORD") or None
+    if cfg.store_password_file is not None:
+        try:
+            with open(cfg.store_password_file, encoding="utf-8") as f:
+                password = f.readline().rstrip("\r\n") or None
+        except OSError as exc:
+            raise StartupError(f"--store-password-file {cfg.store_password_file}: {exc.strerror}") from None
+        if password is None:
+            raise StartupError(f"--store-password-file {cfg.store_password_file}: its first line is empty")
+    key = None
+    if cfg.store_key_file is not None:
+        try:
+            with open(cfg.store_key_file, "rb") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise StartupError(f"--store-key-file {cfg.store_key_file}: {exc.strerror}") from None
+        if len(key) < 16:
+            raise StartupError(
+                f"--store-key-file {cfg.store_key_file}: {len(key)} bytes; a key needs at least 16 (e.g. "
+                "head -c 32 /dev/urandom | base64)"
+            )
+    return password, key
 
 
 def host_tier_pages(cfg: ServerConfig, pool: PoolSpec) -> int:

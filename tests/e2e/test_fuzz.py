@@ -207,6 +207,7 @@ REASON_CODE = {
     "TICKET_NOT_FOUND": Code.NOT_FOUND,
     "NAMESPACE_MISMATCH": Code.FAILED_PRECONDITION,
     "QUOTA_EXCEEDED": Code.RESOURCE_EXHAUSTED,
+    "MODEL_MISMATCH": Code.FAILED_PRECONDITION,
 }
 
 # What a refused Step's message says, for the summary of refusals by kind.

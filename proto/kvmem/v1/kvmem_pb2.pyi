@@ -42,6 +42,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_TICKET_NOT_FOUND: _ClassVar[ErrorReason]
     ERROR_REASON_NAMESPACE_MISMATCH: _ClassVar[ErrorReason]
     ERROR_REASON_QUOTA_EXCEEDED: _ClassVar[ErrorReason]
+    ERROR_REASON_MODEL_MISMATCH: _ClassVar[ErrorReason]
 KV_FORMAT_UNSPECIFIED: KVFormat
 KV_FORMAT_MHA: KVFormat
 KV_FORMAT_MLA: KVFormat
@@ -68,6 +69,7 @@ ERROR_REASON_PAGE_SHARED: ErrorReason
 ERROR_REASON_TICKET_NOT_FOUND: ErrorReason
 ERROR_REASON_NAMESPACE_MISMATCH: ErrorReason
 ERROR_REASON_QUOTA_EXCEEDED: ErrorReason
+ERROR_REASON_MODEL_MISMATCH: ErrorReason
 
 class KVLayout(_message.Message):
     __slots__ = ("format", "num_layers", "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "dtype", "bytes_per_token")
@@ -152,16 +154,18 @@ class MemoryHandle(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("name", "quota_pages", "cache_namespace", "resume_session_id")
+    __slots__ = ("name", "quota_pages", "cache_namespace", "resume_session_id", "model_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     QUOTA_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     quota_pages: int
     cache_namespace: str
     resume_session_id: str
-    def __init__(self, name: _Optional[str] = ..., quota_pages: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., resume_session_id: _Optional[str] = ...) -> None: ...
+    model_id: str
+    def __init__(self, name: _Optional[str] = ..., quota_pages: _Optional[int] = ..., cache_namespace: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("epoch", "session_id", "lease_ms", "geometry", "memory", "prefix_cache", "resume_ms", "resumed")
@@ -308,7 +312,7 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., release_slots: _Optional[_Iterable[int]] = ..., truncate_slots: _Optional[_Iterable[int]] = ..., truncate_lens: _Optional[_Iterable[int]] = ..., alloc_slots: _Optional[_Iterable[int]] = ..., alloc_needs: _Optional[_Iterable[int]] = ..., alloc_expected_lens: _Optional[_Iterable[int]] = ..., atomic: _Optional[bool] = ..., release_token_ids: _Optional[bytes] = ..., release_token_offsets: _Optional[bytes] = ..., cache_slots: _Optional[_Iterable[int]] = ..., cache_token_ids: _Optional[bytes] = ..., cache_token_offsets: _Optional[bytes] = ..., match_slots: _Optional[_Iterable[int]] = ..., match_token_ids: _Optional[bytes] = ..., match_token_offsets: _Optional[bytes] = ..., match_max_tokens: _Optional[_Iterable[int]] = ..., release_slots_i32: _Optional[bytes] = ..., truncate_slots_i32: _Optional[bytes] = ..., truncate_lens_i32: _Optional[bytes] = ..., alloc_slots_i32: _Optional[bytes] = ..., alloc_needs_i32: _Optional[bytes] = ..., alloc_expected_lens_i32: _Optional[bytes] = ..., seq: _Optional[int] = ..., handoff_slots: _Optional[_Iterable[int]] = ..., handoff_states: _Optional[_Iterable[bytes]] = ..., adopt_tickets: _Optional[_Iterable[str]] = ..., adopt_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted", "error", "seq", "handoff_tickets", "adopt_slots", "adopt_lens", "adopt_states", "match_loading")
+    __slots__ = ("epoch", "alloc_status", "kv_loc", "kv_loc_offsets", "new_pages", "new_page_offsets", "num_pages_released", "num_free_pages", "match_lens", "cache_switched", "num_pages_cached", "num_pages_evicted", "error", "seq", "handoff_tickets", "adopt_slots", "adopt_lens", "adopt_states", "match_loading", "match_fetching")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALLOC_STATUS_FIELD_NUMBER: _ClassVar[int]
     KV_LOC_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +332,7 @@ class StepResponse(_message.Message):
     ADOPT_LENS_FIELD_NUMBER: _ClassVar[int]
     ADOPT_STATES_FIELD_NUMBER: _ClassVar[int]
     MATCH_LOADING_FIELD_NUMBER: _ClassVar[int]
+    MATCH_FETCHING_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     alloc_status: bytes
     kv_loc: bytes
@@ -347,7 +352,8 @@ class StepResponse(_message.Message):
     adopt_lens: bytes
     adopt_states: _containers.RepeatedScalarFieldContainer[bytes]
     match_loading: bytes
-    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., seq: _Optional[int] = ..., handoff_tickets: _Optional[_Iterable[str]] = ..., adopt_slots: _Optional[bytes] = ..., adopt_lens: _Optional[bytes] = ..., adopt_states: _Optional[_Iterable[bytes]] = ..., match_loading: _Optional[bytes] = ...) -> None: ...
+    match_fetching: bytes
+    def __init__(self, epoch: _Optional[str] = ..., alloc_status: _Optional[bytes] = ..., kv_loc: _Optional[bytes] = ..., kv_loc_offsets: _Optional[bytes] = ..., new_pages: _Optional[bytes] = ..., new_page_offsets: _Optional[bytes] = ..., num_pages_released: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., match_lens: _Optional[bytes] = ..., cache_switched: _Optional[bytes] = ..., num_pages_cached: _Optional[int] = ..., num_pages_evicted: _Optional[int] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., seq: _Optional[int] = ..., handoff_tickets: _Optional[_Iterable[str]] = ..., adopt_slots: _Optional[bytes] = ..., adopt_lens: _Optional[bytes] = ..., adopt_states: _Optional[_Iterable[bytes]] = ..., match_loading: _Optional[bytes] = ..., match_fetching: _Optional[bytes] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("audit",)
@@ -390,7 +396,7 @@ class AuditResult(_message.Message):
     def __init__(self, ran: _Optional[bool] = ..., ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions", "prefix_cache_enabled", "prefix_hash", "num_cache_entries", "version", "origin", "num_handoff_tickets", "num_handoff_pages", "num_handed_off", "num_adopted", "num_handoffs_expired", "num_handoffs_given_up", "host_tier")
+    __slots__ = ("epoch", "geometry", "num_pages_total", "num_free_pages", "num_cached_pages", "num_used_pages", "num_free_request_slots", "num_open_requests", "sessions", "audit", "num_steps", "num_evictions", "prefix_hit_tokens", "prefix_query_tokens", "memory_backend", "uptime_ms", "num_quarantined_pages", "num_quarantined_sessions", "prefix_cache_enabled", "prefix_hash", "num_cache_entries", "version", "origin", "num_handoff_tickets", "num_handoff_pages", "num_handed_off", "num_adopted", "num_handoffs_expired", "num_handoffs_given_up", "host_tier", "store")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +427,7 @@ class StatsResponse(_message.Message):
     NUM_HANDOFFS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     NUM_HANDOFFS_GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     geometry: PoolGeometry
     num_pages_total: int
@@ -451,7 +458,8 @@ class StatsResponse(_message.Message):
     num_handoffs_expired: int
     num_handoffs_given_up: int
     host_tier: HostTierStats
-    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ..., origin: _Optional[_Union[StateOrigin, _Mapping]] = ..., num_handoff_tickets: _Optional[int] = ..., num_handoff_pages: _Optional[int] = ..., num_handed_off: _Optional[int] = ..., num_adopted: _Optional[int] = ..., num_handoffs_expired: _Optional[int] = ..., num_handoffs_given_up: _Optional[int] = ..., host_tier: _Optional[_Union[HostTierStats, _Mapping]] = ...) -> None: ...
+    store: StoreStats
+    def __init__(self, epoch: _Optional[str] = ..., geometry: _Optional[_Union[PoolGeometry, _Mapping]] = ..., num_pages_total: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_free_request_slots: _Optional[int] = ..., num_open_requests: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionUsage, _Mapping]]] = ..., audit: _Optional[_Union[AuditResult, _Mapping]] = ..., num_steps: _Optional[int] = ..., num_evictions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., memory_backend: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., num_quarantined_sessions: _Optional[int] = ..., prefix_cache_enabled: _Optional[bool] = ..., prefix_hash: _Optional[str] = ..., num_cache_entries: _Optional[int] = ..., version: _Optional[str] = ..., origin: _Optional[_Union[StateOrigin, _Mapping]] = ..., num_handoff_tickets: _Optional[int] = ..., num_handoff_pages: _Optional[int] = ..., num_handed_off: _Optional[int] = ..., num_adopted: _Optional[int] = ..., num_handoffs_expired: _Optional[int] = ..., num_handoffs_given_up: _Optional[int] = ..., host_tier: _Optional[_Union[HostTierStats, _Mapping]] = ..., store: _Optional[_Union[StoreStats, _Mapping]] = ...) -> None: ...
 
 class HostTierStats(_message.Message):
     __slots__ = ("num_pages", "num_free_pages", "num_cached_pages", "page_bytes", "num_demoted", "num_loaded", "num_evicted", "num_dropped", "hit_tokens", "num_loading_pages", "load_ms_p50", "load_ms_p99", "load_gib_per_s")
@@ -482,6 +490,57 @@ class HostTierStats(_message.Message):
     load_ms_p99: float
     load_gib_per_s: float
     def __init__(self, num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ..., num_demoted: _Optional[int] = ..., num_loaded: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_dropped: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_loading_pages: _Optional[int] = ..., load_ms_p50: _Optional[float] = ..., load_ms_p99: _Optional[float] = ..., load_gib_per_s: _Optional[float] = ...) -> None: ...
+
+class StoreStats(_message.Message):
+    __slots__ = ("url", "kind", "reachable", "connects", "failures", "last_error", "model_id", "pages_written", "bytes_written", "write_dropped", "write_failed", "fetches", "pages_found", "pages_read", "bytes_read", "rejected", "no_room", "writes_pending", "fetch_ms_p50", "fetch_ms_p99")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    URL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    CONNECTS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    WRITE_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FOUND_FIELD_NUMBER: _ClassVar[int]
+    PAGES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    NO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    WRITES_PENDING_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MS_P50_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MS_P99_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    kind: str
+    reachable: bool
+    connects: int
+    failures: int
+    last_error: str
+    model_id: str
+    pages_written: int
+    bytes_written: int
+    write_dropped: int
+    write_failed: int
+    fetches: int
+    pages_found: int
+    pages_read: int
+    bytes_read: int
+    rejected: _containers.ScalarMap[str, int]
+    no_room: int
+    writes_pending: int
+    fetch_ms_p50: float
+    fetch_ms_p99: float
+    def __init__(self, url: _Optional[str] = ..., kind: _Optional[str] = ..., reachable: _Optional[bool] = ..., connects: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ..., model_id: _Optional[str] = ..., pages_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., write_dropped: _Optional[int] = ..., write_failed: _Optional[int] = ..., fetches: _Optional[int] = ..., pages_found: _Optional[int] = ..., pages_read: _Optional[int] = ..., bytes_read: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., no_room: _Optional[int] = ..., writes_pending: _Optional[int] = ..., fetch_ms_p50: _Optional[float] = ..., fetch_ms_p99: _Optional[float] = ...) -> None: ...
 
 class StateOrigin(_message.Message):
     __slots__ = ("kind", "owners", "requests", "pages_in_rows", "cached_pages", "quarantined_pages", "repaired", "adopt_ms", "sessions", "resumed", "not_resumed", "waiting", "undone")

@@ -1,0 +1,477 @@
+"""The server's link to its store (``kvmem serve --store URL``): one thread that makes
+every store call, so neither the event loop nor a Step ever waits for the store.
+
+The core's host tier (on the event loop's thread) talks to it through two queues:
+
+* **to the thread** (:meth:`StoreLink.events`, :meth:`StoreLink.offer`,
+  :meth:`StoreLink.want`, :meth:`StoreLink.reserved`): the cache's events (from them the
+  thread keeps each cached page's store digest: :mod:`kvmem.server.store.value`, a
+  SHA-256 chain over the tokens, whatever the local prefix hash), host pages to write
+  (pinned by the tier until written), matches whose prefix continues past what the node
+  holds, and the host pages the tier reserved for a fetch;
+* **back** (:attr:`StoreLink.results`, then :attr:`StoreLink.notify` wakes the loop):
+  pages written (the tier unpins them), fetches that found pages in the store (the tier
+  reserves host pages for them), and fetches read and checked (the tier installs the
+  valid pages into its index, a chain's pages in order, and frees the rest).
+
+**Write path.** A page the host tier takes (write-through with a store: as it is cached)
+is offered; when the pages pinned for writing reach the bound, an offer is dropped and
+counted: the Step never waits. The thread writes batches from the host pages with no
+copy where the store reads registered memory (a header per rank from a buffer of its
+own).
+
+**Read path.** A match whose pages end on this node before its prompt's last full page
+asks for the continuation (:meth:`StoreLink.want`): the thread asks the store which of
+those keys it has (one batch), the tier reserves host pages for the run it has from the
+first, the thread reads the values into them (and the headers beside), checks each
+(``value.Codec.check``), and hands back how many of the run's first pages are valid. A
+value that fails is a miss (counted by reason, logged once per reason), never loaded.
+
+**Faults.** A store call that fails (down, slow past ``--store-timeout-ms``, refused)
+marks the store unreachable: writes are dropped and counted, fetches find nothing, and
+the thread reconnects with backoff (0.1 s doubling to 5 s), saying so in the log, the
+stats and the metrics. Nothing of it reaches a client as an error.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvmem.server.core.events import CacheEvent, PagesRemoved, PagesStored
+from kvmem.server.memory.geometry import KVGeometry
+from kvmem.server.store import value
+from kvmem.server.store.base import Store, StoreError
+
+log = logging.getLogger("kvmem.server.store")
+
+_BACKOFF_S = (0.1, 5.0)
+_DEVICE, _HOST = 1, 2  # where a cached key is (a bit each): the events' medium
+
+
+@dataclasses.dataclass(slots=True)
+class Fetch:
+    """A match's continuation past what the node holds: ``keys`` (the local keys of its
+    full pages, in chain order) after ``parent`` (the local key before the first: the
+    namespace's root or the last page held), ``tokens`` (int32, ``len(keys)`` pages),
+    ``depth`` (the first page's column in its chain). The thread fills ``digests``,
+    ``found`` (how many of the first pages the store has) and ``valid`` (how many of them
+    were read and checked); the tier fills ``host`` (the host pages reserved)."""
+
+    namespace: str
+    parent: bytes
+    root: bytes
+    keys: list[bytes]
+    tokens: np.ndarray
+    depth: int
+    digests: list[bytes] = dataclasses.field(default_factory=list)
+    found: int = 0
+    host: list[int] = dataclasses.field(default_factory=list)
+    valid: int = 0
+    started: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class StoreCounters:
+    """Since start, for stats and metrics (the thread writes, anyone reads)."""
+
+    reachable: bool = False
+    connects: int = 0
+    failures: int = 0
+    pages_written: int = 0
+    bytes_written: int = 0
+    write_dropped: int = 0  # offers refused: the write bound was reached, or the store was down
+    write_failed: int = 0
+    fetches: int = 0
+    pages_found: int = 0
+    pages_read: int = 0
+    bytes_read: int = 0
+    rejected: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(value.REASONS, 0))
+    no_room: int = 0  # pages found that the host tier had no room for
+    last_error: str = ""
+
+
+class StoreLink:
+    """The store thread and what the tier and the stats see of it.
+
+    ``store``: the adapter (not connected yet); ``host``: the host tier's pages per
+    rank (``host[r][page]`` a contiguous ``[planes, row]`` uint8 view: the mover's
+    :meth:`page`), ``host_buffers``: that memory whole, per rank (registered with stores
+    that read and write registered memory); ``geometry``, ``ranks``, ``prefix_hash`` and
+    ``seed`` for the fingerprint; ``mac_key`` (``--store-key-file``); ``max_writes``:
+    the host pages that may wait for their write at once (an offer past it is dropped);
+    ``max_fetch_pages``: the most pages one match fetches."""
+
+    def __init__(
+        self,
+        store: Store,
+        page: Callable[[int, int], np.ndarray],
+        host_buffers: Sequence[np.ndarray],
+        geometry: KVGeometry,
+        ranks: int,
+        prefix_hash: str,
+        seed: str | None,
+        mac_key: bytes | None,
+        max_writes: int,
+        max_fetch_pages: int,
+    ) -> None:
+        self.store = store
+        self._page = page
+        self._host_buffers = list(host_buffers)
+        self.geometry = geometry
+        self.ranks = ranks
+        self._prefix_hash, self._seed, self._mac_key = prefix_hash, seed, mac_key
+        self.max_writes = max_writes
+        self.max_fetch_pages = max_fetch_pages
+        self.model_id: str | None = None  # from the first Attach that gives one
+        self._codecs: list[value.Codec] = []
+        self.counters = StoreCounters()
+        self.writing = 0  # host pages offered and not handed back (the loop's count)
+        self.results: collections.deque[tuple[str, Any]] = collections.deque()
+        self.notify: Callable[[], None] | None = None
+        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._pending: list[tuple[str, Any]] = []  # a call's writes and fetches, sent after its events (flush)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        # The thread's: each cached key's digest, where it is (device, host bits) and its parent.
+        self._digest: dict[bytes, bytes] = {}
+        self._where: dict[bytes, int] = {}
+        self._fetching: set[bytes] = set()  # keys of fetches in flight (a second want skips them)
+        self._roots: dict[str, bytes] = {}
+        self._fetch_ms: collections.deque[float] = collections.deque(maxlen=1024)
+        self._said: set[str] = set()  # reasons logged once
+        # Header buffers per rank: one per page of a batch being written, one per page read.
+        self._headers_out = [np.zeros((max_writes, value.HEADER_BYTES), dtype=np.uint8) for _ in range(ranks)]
+        self._headers_in = [np.zeros((max_fetch_pages, value.HEADER_BYTES), dtype=np.uint8) for _ in range(ranks)]
+
+    # ------------------------------------------------------------ the loop's side
+
+    def start(self) -> None:
+        """Start the store thread (it connects, and reconnects, on its own)."""
+        self._thread = threading.Thread(target=self._run, name="kvmem-store", daemon=True)
+        self._thread.start()
+
+    def set_model(self, model_id: str) -> str | None:
+        """An Attach's model id: the first one fixes the fingerprint (keys and values are
+        made from then on); another later is refused: returns why (None: accepted)."""
+        if self.model_id is None:
+            self.model_id = model_id
+            self._queue.put(("model", model_id))
+            return None
+        if model_id != self.model_id:
+            return (
+                f"this server's store keys are for model {self.model_id!r}; a session of model {model_id!r} cannot "
+                "share its pool (one model per server)"
+            )
+        return None
+
+    def flush(self, events: list[CacheEvent]) -> None:
+        """The end of a mutating call: its cache events (both tiers': the thread keeps
+        the digests from them), then the writes and fetches it asked for, in that order
+        (a write's digest comes from the events of the call that cached it)."""
+        if events:
+            self._queue.put(("events", events))
+        pending, self._pending = self._pending, []
+        for job in pending:
+            self._queue.put(job)
+
+    def offer(self, host_pages: list[int], keys: list[bytes]) -> int:
+        """Pages the host tier just took (their bytes in ``host_pages``): how many of the
+        first ones the thread will write (the tier pins those until :attr:`results`
+        hands them back); the rest are dropped and counted. O(1)."""
+        if self.model_id is None:
+            return 0
+        room = self.max_writes - self.writing
+        if not self.counters.reachable:
+            room = 0
+        n = min(len(host_pages), max(room, 0))
+        if n < len(host_pages):
+            self.counters.write_dropped += len(host_pages) - n
+        if n:
+            self.writing += n
+            self._pending.append(("write", (host_pages[:n], keys[:n])))
+        return n
+
+    def want(
+        self, namespace: str, parent: bytes, root: bytes, keys: list[bytes], tokens: np.ndarray, depth: int
+    ) -> int:
+        """A match's continuation (a :class:`Fetch` of these fields): the thread asks the
+        store for it. Returns the tokens asked for (the answer's ``match_fetching``), 0
+        when nothing is asked (no model id yet, the store unreachable). O(1) here."""
+        if self.model_id is None or not self.counters.reachable or not keys:
+            return 0
+        del keys[self.max_fetch_pages :]
+        fetch = Fetch(namespace, parent, root, keys, tokens[: len(keys) * self.geometry.page_size], depth)
+        fetch.started = time.perf_counter()
+        self._pending.append(("want", fetch))
+        return len(keys) * self.geometry.page_size
+
+    def reserved(self, fetch: Fetch) -> None:
+        """The tier reserved ``fetch.host`` (maybe fewer pages than found, maybe none)."""
+        self._queue.put(("read", fetch))
+
+    def close(self) -> None:
+        """Stop the thread (a call in flight is abandoned after its timeout) and close the store."""
+        self._stopping = True
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout=max(5.0, 2 * self.store.timeout_s))
+        self.store.close()
+
+    def snapshot(self) -> dict[str, object]:
+        """The figures of proto ``StoreStats``, by its field names (read on the loop)."""
+        c = self.counters
+        p50, p99 = self.fetch_stats()
+        return {
+            "url": self.store.url.redacted(),
+            "kind": self.store.name,
+            "reachable": c.reachable,
+            "connects": c.connects,
+            "failures": c.failures,
+            "last_error": c.last_error,
+            "model_id": self.model_id or "",
+            "pages_written": c.pages_written,
+            "bytes_written": c.bytes_written,
+            "write_dropped": c.write_dropped,
+            "write_failed": c.write_failed,
+            "fetches": c.fetches,
+            "pages_found": c.pages_found,
+            "pages_read": c.pages_read,
+            "bytes_read": c.bytes_read,
+            "rejected": dict(c.rejected),
+            "no_room": c.no_room,
+            "writes_pending": self.writing,
+            "fetch_ms_p50": p50,
+            "fetch_ms_p99": p99,
+        }
+
+    def fetch_stats(self) -> tuple[float, float]:
+        """Recent fetches' time from the match to their pages checked: p50, p99 in ms."""
+        recent = list(self._fetch_ms)
+        if not recent:
+            return 0.0, 0.0
+        p50, p99 = np.percentile(recent, [50, 99]).tolist()
+        return p50, p99
+
+    def _back(self, kind: str, item: Any) -> None:
+        self.results.append((kind, item))
+        notify = self.notify
+        if notify is not None:
+            notify()
+
+    # ------------------------------------------------------------ the thread's side
+
+    def _run(self) -> None:
+        backoff = _BACKOFF_S[0]
+        next_try = 0.0
+        while True:
+            if not self.counters.reachable and time.monotonic() >= next_try and not self._stopping:
+                if self._connect():
+                    backoff = _BACKOFF_S[0]
+                else:
+                    next_try = time.monotonic() + backoff
+                    backoff = min(backoff * 2, _BACKOFF_S[1])
+            try:
+                timeout = None if self.counters.reachable else max(0.01, next_try - time.monotonic())
+                job = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            kind, item = job
+            try:
+                getattr(self, "_on_" + kind)(item)
+            except StoreError as exc:
+                self._failed(exc)
+                self._abandon(kind, item)
+            except Exception:  # a bug: logged, the job handed back so no page stays pinned
+                log.exception("store: %s failed", kind)
+                self._abandon(kind, item)
+
+    def _connect(self) -> bool:
+        try:
+            self.store.connect()
+            self.store.register([*self._host_buffers, *self._headers_out, *self._headers_in])
+        except StoreError as exc:
+            self._failed(exc)
+            return False
+        c = self.counters
+        c.connects += 1
+        c.reachable = True
+        log.info("store: connected to %s%s", self.store.describe(), "" if c.connects == 1 else " again")
+        return True
+
+    def _failed(self, exc: BaseException) -> None:
+        c = self.counters
+        c.failures += 1
+        c.last_error = str(exc)
+        if c.reachable or c.failures == 1:
+            log.warning(
+                "store: %s unreachable (%s): matches miss it and writes are dropped until it is back",
+                self.store.describe(),
+                exc,
+            )
+        c.reachable = False
+
+    def _abandon(self, kind: str, item: Any) -> None:
+        """A job the store could not do: its pages handed back, nothing found."""
+        if kind == "write":
+            pages, _ = item
+            self.counters.write_failed += len(pages)
+            self._back("written", pages)
+        elif kind == "want":
+            self._fetching.difference_update(item.keys[: item.found])
+        elif kind == "read":
+            self._fetching.difference_update(item.keys)
+            item.valid = 0
+            self._back("fetched", item)
+
+    def _on_model(self, model_id: str) -> None:
+        self._codecs = [
+            value.Codec(
+                value.Fingerprint.of(self.geometry, rank, self.ranks, self._prefix_hash, self._seed, model_id),
+                self.geometry,
+                self._mac_key,
+            )
+            for rank in range(self.ranks)
+        ]
+
+    def _on_events(self, events: list[CacheEvent]) -> None:
+        """Each stored page's digest (its parent's, or its namespace's root, chained
+        over its tokens) and where it is; a key on no tier any more is forgotten."""
+        digest, where = self._digest, self._where
+        ps = self.geometry.page_size
+        for e in events:
+            if isinstance(e, PagesStored):
+                bit = _HOST if e.medium == "CPU" else _DEVICE
+                parent = e.parent_key
+                start = self._namespace_root(e.namespace) if parent is None else digest.get(parent)
+                tokens = np.asarray(e.token_ids)
+                for i, key in enumerate(e.keys):
+                    where[key] = where.get(key, 0) | bit
+                    have = digest.get(key)
+                    if have is None and start is not None:
+                        have = value.chain(start, tokens[i * ps :], 1, ps)[0]
+                        digest[key] = have
+                    start = have
+            elif isinstance(e, PagesRemoved):
+                bit = _HOST if e.medium == "CPU" else _DEVICE
+                for key in e.keys:
+                    left = where.get(key, 0) & ~bit
+                    if left:
+                        where[key] = left
+                    else:
+                        where.pop(key, None)
+                        digest.pop(key, None)
+            else:  # AllCleared
+                digest.clear()
+                where.clear()
+
+    def _namespace_root(self, namespace: str) -> bytes | None:
+        if not self._codecs:
+            return None
+        got = self._roots.get(namespace)
+        if got is None:
+            got = self._roots[namespace] = value.root(self._codecs[0].fingerprint.digest, namespace)
+        return got
+
+    def _on_write(self, item: tuple[list[int], list[bytes]]) -> None:
+        pages, keys = item
+        try:
+            digests = [self._digest.get(k) for k in keys]
+            known = [i for i, d in enumerate(digests) if d is not None]
+            if known and self._codecs:
+                for rank, codec in enumerate(self._codecs):
+                    headers = self._headers_out[rank]
+                    names, values = [], []
+                    for j, i in enumerate(known):
+                        payload = self._page(pages[i], rank)
+                        d = digests[i]
+                        assert d is not None
+                        codec.header(d, payload, headers[j])
+                        names.append(value.key_of(d) + (f"/{rank}" if self.ranks > 1 else ""))
+                        values.append([headers[j].data, payload.data.cast("B")])
+                    stored = self.store.put(names, values)
+                    if rank == 0:
+                        n = sum(stored)
+                        self.counters.pages_written += n
+                        self.counters.write_failed += len(stored) - n
+                    self.counters.bytes_written += sum(stored) * (value.HEADER_BYTES + self.geometry.page_bytes)
+            self.counters.write_dropped += len(keys) - len(known)  # no digest: a parent the thread never saw
+        finally:
+            self._back("written", pages)
+
+    def _names(self, digests: list[bytes], rank: int) -> list[str]:
+        suffix = f"/{rank}" if self.ranks > 1 else ""
+        return [value.key_of(d) + suffix for d in digests]
+
+    def _on_want(self, fetch: Fetch) -> None:
+        """Which of the continuation's first pages the store has (rank 0's keys)."""
+        start = self._namespace_root(fetch.namespace) if fetch.parent == fetch.root else self._digest.get(fetch.parent)
+        fetch.found = 0
+        if start is None or not self._codecs:
+            return
+        fetch.digests = value.chain(start, fetch.tokens, len(fetch.keys), self.geometry.page_size)
+        # pages another fetch is getting are left to it: this one stops before them
+        busy = next((i for i, k in enumerate(fetch.keys) if k in self._fetching), len(fetch.keys))
+        del fetch.keys[busy:], fetch.digests[busy:]
+        if fetch.keys:
+            self.counters.fetches += 1
+            present = self.store.exists(self._names(fetch.digests, 0))
+            fetch.found = next((i for i, p in enumerate(present) if not p), len(present))
+            self.counters.pages_found += fetch.found
+            self._fetching.update(fetch.keys[: fetch.found])
+        if fetch.found:  # else the loop has nothing to do: it keeps no record of a fetch
+            self._back("found", fetch)
+
+    def _on_read(self, fetch: Fetch) -> None:
+        """Read the reserved pages' values into them (the headers beside), check each;
+        ``valid``: how many of the first ones passed on every rank."""
+        n = len(fetch.host)
+        try:
+            valid = n
+            for rank, codec in enumerate(self._codecs):
+                if not valid:
+                    break
+                headers = self._headers_in[rank]
+                payloads = [self._page(p, rank) for p in fetch.host[:valid]]
+                values = [[headers[j].data, payloads[j].data.cast("B")] for j in range(valid)]
+                sizes = self.store.get_into(self._names(fetch.digests[:valid], rank), values)
+                for j, size in enumerate(sizes):
+                    if size < 0:
+                        valid = j
+                        break
+                    reason = codec.check(fetch.digests[j], size, headers[j], payloads[j])
+                    if reason is not None:
+                        self._reject(reason, fetch.digests[j])
+                        valid = j
+                        break
+                    if rank == 0:
+                        self.counters.bytes_read += size
+            fetch.valid = valid
+            self.counters.pages_read += valid
+            if n:
+                self._fetch_ms.append(1000 * (time.perf_counter() - fetch.started))
+        finally:
+            self._fetching.difference_update(fetch.keys)
+            self._back("fetched", fetch)
+
+    def _reject(self, reason: str, digest: bytes) -> None:
+        self.counters.rejected[reason] += 1
+        if reason not in self._said:
+            self._said.add(reason)
+            log.warning(
+                "store: a value was refused (%s) under key %s: treated as a miss, never loaded (logged once per "
+                "reason; kvmem stats counts them)",
+                reason,
+                value.key_of(digest),
+            )
