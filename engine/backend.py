@@ -59,6 +59,9 @@ class Outcome:
     # Per match item, of its match_lens the last tokens still loading from the host tier;
     # None: none (a backend without one).
     match_loading: np.ndarray | None = None
+    # Per match item, the tokens after its match the server is fetching from its store
+    # (kvmem serve --store); None: none.
+    match_fetching: np.ndarray | None = None
 
 
 class Backend(Protocol):
@@ -130,6 +133,9 @@ class KVMemBackend:
             loading = col("match_loading")
             if loading.any():
                 out.match_loading = loading
+            fetching = col("match_fetching")
+            if fetching.any():
+                out.match_fetching = fetching
         return out
 
     # Loading (the server's host tier): in this process's memory, no call.

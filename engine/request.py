@@ -36,6 +36,8 @@ class Request:
         "computed",
         "computed_here",
         "computed_total",
+        "fetch_until",
+        "fetches",
         "finish",
         "first_at",
         "index",
@@ -86,6 +88,10 @@ class Request:
         self.taken_here = self.computed_here = self.moves = 0
         self.ticket = ""
         self.rid = f"{self.name}.0"  # the allocator's id of this admission: name.preemptions
+        # A prefix being fetched from the server's store: held (released, admitted again)
+        # until this monotonic time at most (0.0: not held yet); how often it was held.
+        self.fetch_until = 0.0
+        self.fetches = 0
 
     def new_tokens(self) -> np.ndarray:
         return self.tokens[self.prompt_len : self.known]

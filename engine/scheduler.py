@@ -91,6 +91,8 @@ class Figures:
     loading_tokens: int = 0  # matched tokens still loading from the host tier at their Step's answer
     load_wait_seconds: float = 0.0  # forwards' time waiting for them (per layer: what compute did not hide)
     load_held: int = 0  # load_wait "iteration": iterations' count of requests held out while their loads copied
+    fetch_held: int = 0  # admissions held (released, admitted again) while their prefix came from the store
+    fetch_tokens: int = 0  # tokens the answers said were being fetched from the store, over the holds
     first_token_s: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -184,7 +186,12 @@ class Scheduler:
     at once, or an iterator in arrival order, taken as the iterations reach each one's
     ``arrival``); :meth:`iteration` returns the requests that took new tokens, with how
     many each took. ``load_wait``: how a request whose prefix is still loading from
-    the server's host tier waits, ``"layer"`` or ``"iteration"`` (:mod:`.loading`)."""
+    the server's host tier waits, ``"layer"`` or ``"iteration"`` (:mod:`.loading`).
+    ``fetch_wait_s``: how long at most an admission whose prefix the server is fetching
+    from its store (``kvmem serve --store``; the answer's ``match_fetching``) is held
+    for it: released in the next Step and admitted again (its match then takes what has
+    arrived) until nothing more is being fetched or the time is up; 0 (the default):
+    never held, its tokens computed at once."""
 
     def __init__(
         self,
@@ -199,8 +206,10 @@ class Scheduler:
         moves: Moves | None = None,
         on_arrival: Callable[[Request], None] | None = None,
         load_wait: str = "layer",
+        fetch_wait_s: float = 0.0,
     ) -> None:
         self.backend = backend
+        self.fetch_wait_s = fetch_wait_s
         self.model = model
         self.ps = backend.page_size
         self.budget = budget
@@ -224,6 +233,7 @@ class Scheduler:
         self._taken = 0  # inbox items taken since the last Step
         self._opened: dict[str, int] = {}  # request id -> slot opened, not yet admitted (a Step failed)
         self.loads = Loads(backend, load_wait, self.figures)  # matches still loading from the host tier
+        self._fetch_held: set[int] = set()  # admissions released to be admitted again (their prefix in fetch)
         self._admitted: list[Admission] = []  # for the next forward: requests given a row...
         self._released: list[str] = []  # ...and released, since the last
         self._arrivals: Iterator[Request] | None = None
@@ -481,6 +491,7 @@ class Scheduler:
         if out.match_loading is not None:
             loading = zip(steps.opened, out.match_lens.tolist(), out.match_loading.tolist(), strict=True)
             self.loads.note([(r, self._opened[r.rid], m, n) for r, m, n in loading if n])
+        fetching = self._fetching(steps.opened, out, now)
         for r, m in zip(steps.opened, out.match_lens.tolist(), strict=True):
             self.waiting.popleft()  # the admissions are the front of the queue, in order
             slot = self._opened.pop(r.rid)
@@ -489,6 +500,10 @@ class Scheduler:
             r.slot, r.admitted, r.since = slot, self.it, now
             r.computed = r.alloced = r.matched = m
             r.cached_pages = m // self.ps
+            if id(r) in fetching:  # its prefix is coming from the store: released next Step, admitted again
+                self.leaving.append(r)
+                self._fetch_held.add(id(r))
+                continue
             r.matched_total += m
             f.prefix_query_tokens += max(r.known - 1, 0)
             f.prefix_hit_tokens += m
@@ -496,8 +511,14 @@ class Scheduler:
         if unopened:
             self._not_opened()
             self.waiting.extendleft(reversed(unopened))
-        requeued = [r for r in steps.leaving if not r.finish]  # preempted: first in the queue
+        requeued = [r for r in steps.leaving if not r.finish]  # preempted or held: first in the queue
         for r in requeued:
+            if id(r) in self._fetch_held:  # held for the store: not a preemption
+                self._fetch_held.discard(id(r))
+                r.fetches += 1
+                r.rid = f"{r.name}.{r.preemptions}.{r.fetches}"
+                r.slot = r.computed = r.alloced = r.cached_pages = 0
+                continue
             self._back_to_waiting(r)
         self.waiting.extendleft(reversed(requeued))
         kv_loc = out.kv_loc
@@ -531,6 +552,9 @@ class Scheduler:
             got = hi - lo
             r.alloced += got
             if got == 0:  # an admission whose match covered its first chunk
+                continue
+            if fetching and id(r) in fetching:  # held for the store: released in the next Step
+                skipped.append((lo, hi))
                 continue
             if self.loads.held and id(r) in admitted and self.loads.is_held(r):
                 # load_wait "iteration": its match is loading: not computed now; the next Step
@@ -580,6 +604,24 @@ class Scheduler:
             computing.append((r, 1, 1, 0, start >= r.prompt_len))
         builder.add_decodes(ids, rows, starts, tokens)
         return n
+
+    def _fetching(self, opened: list[Request], out: Outcome, now: float) -> frozenset[int]:
+        """The admissions (by id) to hold for their prefix coming from the server's store:
+        those whose match the answer says is being fetched, within ``fetch_wait_s`` of
+        their first hold. Counted in the figures."""
+        if not self.fetch_wait_s or out.match_fetching is None:
+            return frozenset()
+        held = []
+        for r, n in zip(opened, out.match_fetching.tolist(), strict=True):
+            if not n:
+                continue
+            if not r.fetch_until:
+                r.fetch_until = now + self.fetch_wait_s
+            if now < r.fetch_until:
+                held.append(id(r))
+                self.figures.fetch_held += 1
+                self.figures.fetch_tokens += n
+        return frozenset(held)
 
     def _back_to_waiting(self, r: Request) -> None:
         """A preempted request, released: to the front of the queue, to recompute."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import multiprocessing
 import os
 import queue
 import secrets
 import sys
+import tempfile
 import time
 from typing import IO, Any
 
@@ -150,6 +152,31 @@ def add_parser(sub: Any, name: str = "generate") -> None:
         "both; default: layer)",
     )
     p.add_argument(
+        "--nodes",
+        metavar="N",
+        type=integer(1, "nodes"),
+        default=1,
+        help="2: two nodes on this machine sharing one store (--store): generate starts two servers, runs the "
+        "prompts on node A, then the same prompts on node B, whose matches read node A's pages from the store "
+        "instead of prefilling them; the report compares the nodes (default: 1)",
+    )
+    p.add_argument(
+        "--store",
+        metavar="URL",
+        default=None,
+        help="with --nodes 2 (or for the one server generate starts): the store the servers share (kvmem serve "
+        "--store, e.g. redis://127.0.0.1:6379 or mooncake://127.0.0.1:50051?protocol=tcp); their host tiers are "
+        "--host-memory, default 256MiB",
+    )
+    p.add_argument(
+        "--store-wait-ms",
+        metavar="MS",
+        type=positive_float,
+        default=500.0,
+        help="with a store: how long at most a request whose prefix its server is fetching from the store is "
+        "held for it before its tokens are computed (default: 500)",
+    )
+    p.add_argument(
         "--num-pages",
         metavar="N",
         type=integer(2),
@@ -241,9 +268,13 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
 
     def own_argv() -> list[str]:
-        tier = ["--host-memory", args.host_memory] if args.host_memory else []
+        host = args.host_memory or ("256MiB" if args.store else None)
+        tier = ["--host-memory", host] if host else []
+        tier += ["--store", args.store] if args.store else []
         return ["serve", "--device", "cpu", *flags.split(), *_sizes(prompts, args), *tier, "--log-level", "warning"]
 
+    if args.nodes > 1:
+        return _nodes(args, prompts, own_argv(), config, info)
     with server_for(args.tcp or f"unix:{args.socket}", "generate", own_argv, info) as (target, _):
         from kvmem.client.admin import stats
 
@@ -252,6 +283,46 @@ def _generate(args: argparse.Namespace) -> int:
         except GeometryMismatch as err:
             raise UsageError(f"the server at {target}: {err}") from None
         return _with_server(args, target, prompts, info)
+
+
+def _nodes(args: argparse.Namespace, prompts: list[Any], argv: list[str], config: Any, info: IO[str]) -> int:
+    """``--nodes 2``: two servers sharing the store, the prompts run on node A, then on
+    node B; each node's report, then the comparison (JSON: ``{"ok", "nodes": [...]}``)."""
+    from kvmem.client.admin import stats
+
+    from ..server_process import OwnServer
+    from .geometry import check_geometry
+
+    if args.nodes != 2:
+        raise UsageError(f"--nodes {args.nodes}: two nodes are what this shows (node A prefills, node B reads)")
+    if not args.store:
+        raise UsageError("--nodes 2 shares pages through a store: give --store URL (e.g. redis://127.0.0.1:6379)")
+    if args.tcp or args.disaggregate or args.drain_worker_after:
+        raise UsageError("--nodes 2 starts its own two servers: no --tcp, --disaggregate or drains")
+    results: list[dict[str, Any]] = []
+    codes = []
+    for name in ("A", "B"):
+        own = OwnServer(argv, tempfile.mkdtemp(prefix=f"kvmem-generate-node-{name.lower()}-", dir="/tmp"))
+        print(f"node {name}: kvmem {' '.join(argv)}", file=info, flush=True)
+        try:
+            own.wait_ready()
+            check_geometry(config, stats(own.target, timeout=5).geometry, "float32")
+            codes.append(_with_server(args, own.target, prompts, info, node=name, collect=results))
+        finally:
+            print(f"node {name}: stopped its server (exit {own.stop()})", file=info)
+    a, b = results
+    if args.json:
+        json.dump({"ok": all(r["ok"] for r in results), "nodes": results}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        store_b = b.get("store", {})
+        print(
+            f"nodes: node A prefilled {a['prefill_tokens']} prompt tokens ({a['matched_tokens']} matched), node B "
+            f"{b['prefill_tokens']} ({b['matched_tokens']} matched; {store_b.get('pages_read', 0)} pages read "
+            f"from the store, {store_b.get('rejected', 0)} refused); TTFT p50 node A "
+            f"{a['ttft_p50_ms']:.0f} ms, node B {b['ttft_p50_ms']:.0f} ms"
+        )
+    return max(codes)
 
 
 def _sizes(prompts: list[Any], args: argparse.Namespace) -> list[str]:
@@ -273,7 +344,14 @@ def _sizes(prompts: list[Any], args: argparse.Namespace) -> list[str]:
     return [word for flag, value in sizes.items() for word in (flag, str(value))]
 
 
-def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info: IO[str]) -> int:
+def _with_server(
+    args: argparse.Namespace,
+    target: str,
+    prompts: list[Any],
+    info: IO[str],
+    node: str = "",
+    collect: list[dict[str, Any]] | None = None,
+) -> int:
     from kvmem.client.admin import stats
 
     from .moves import Router
@@ -299,6 +377,13 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
     workers = len(roles)
     drain_w, drain_n = args.drain_worker_after or (-1, 0)
     run_id = secrets.token_hex(3)
+    # a server with a store keys its pages by the model and its weights' revision
+    pool_store = stats(target, auth_token=args.auth_token, timeout=5).HasField("store")
+    model_id = ""
+    if pool_store:
+        from .models import model_id as weights_id
+
+        model_id = weights_id(args.model)
     # the prefix cache's namespace: requests share cached K/V only with the same model's
     ident = f"{os.path.abspath(args.model)}:{os.stat(args.model).st_mtime_ns}" if args.model else "bundled-smollm2"
     ident += ":float32"
@@ -323,6 +408,8 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
             drain_after=drain_n if w == drain_w else 0,
             turns=args.turns if args.workload == "multi-turn" else 1,
             load_wait=args.load_wait,
+            model_id=model_id,
+            fetch_wait_ms=args.store_wait_ms if pool_store else 0.0,
         )
         for w in range(workers)
     ]
@@ -395,7 +482,7 @@ def _with_server(args: argparse.Namespace, target: str, prompts: list[Any], info
     pool = stats(target, auth_token=args.auth_token, timeout=5)
     from .report import report
 
-    return report(args, prompts, final, errors, pool, time.monotonic() - started, info, configs)
+    return report(args, prompts, final, errors, pool, time.monotonic() - started, info, configs, node, collect)
 
 
 def _queues(router: Any, w: int) -> tuple[Any, Any]:

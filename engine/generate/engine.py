@@ -126,6 +126,10 @@ class Engine:
     ``load_wait``: how a request whose prefix is still loading from the server's host
     tier waits: ``"layer"`` (it computes; each layer's attention waits for that layer's
     copy) or ``"iteration"`` (held out of the forwards until its load is in).
+    ``model_id``: the model with its weights' revision, for a server with a store
+    (``kvmem serve --store``: its store keys are made from it; :func:`.models.model_id`);
+    ``fetch_wait_ms``: how long at most a request whose prefix that server is fetching
+    from its store is held for it (0: never; :class:`~kvmem.engine.scheduler.Scheduler`).
     Attaching checks the pool's geometry against the model's and refuses a mismatch in
     one line that gives the ``kvmem serve`` flags (:class:`~.hf_model.GeometryMismatch`).
     Use as a context manager, or :meth:`close`. :attr:`figures` holds the last run's.
@@ -143,6 +147,8 @@ class Engine:
         max_running: int = 64,
         api: str = "client",
         load_wait: str = "layer",
+        model_id: str = "",
+        fetch_wait_ms: float = 0.0,
     ) -> None:
         if load_wait not in ("layer", "iteration"):
             raise ValueError(f"load_wait must be 'layer' or 'iteration', got {load_wait!r}")
@@ -155,7 +161,12 @@ class Engine:
         self.max_running = max_running
         self.api = api
         self.load_wait = load_wait
-        self.kv = KVMemClient(target, name=name, auth_token=auth_token, cache_namespace=cache_namespace)
+        if fetch_wait_ms < 0:
+            raise ValueError(f"fetch_wait_ms must be >= 0, got {fetch_wait_ms}")
+        self.fetch_wait_s = fetch_wait_ms / 1000
+        self.kv = KVMemClient(
+            target, name=name, auth_token=auth_token, cache_namespace=cache_namespace, model_id=model_id
+        )
         try:
             check_geometry(model.config, self.kv.geometry, next(model.parameters()).dtype)
             self.backend, self.block_table = self._backend(name)
@@ -278,6 +289,7 @@ class Engine:
             keep_logits=keep_logits,
             moves=moves,
             load_wait=self.load_wait,
+            fetch_wait_s=self.fetch_wait_s,
         )
         sched.add(reqs)
         run = _Run(self, sched, reqs, tuple(stop))

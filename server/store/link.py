@@ -54,6 +54,7 @@ from kvmem.server.store.base import Store, StoreError
 log = logging.getLogger("kvmem.server.store")
 
 _BACKOFF_S = (0.1, 5.0)
+ABSENT_S = 2.0  # how long a key the store lacked is not asked for again
 _DEVICE, _HOST = 1, 2  # where a cached key is (a bit each): the events' medium
 
 
@@ -145,6 +146,8 @@ class StoreLink:
         self._digest: dict[bytes, bytes] = {}
         self._where: dict[bytes, int] = {}
         self._fetching: set[bytes] = set()  # keys of fetches in flight (a second want skips them)
+        # Keys the store lacked when last asked, until when (the loop reads it: want).
+        self._absent: dict[bytes, float] = {}
         self._roots: dict[str, bytes] = {}
         self._fetch_ms: collections.deque[float] = collections.deque(maxlen=1024)
         self._said: set[str] = set()  # reasons logged once
@@ -203,16 +206,32 @@ class StoreLink:
     def want(
         self, namespace: str, parent: bytes, root: bytes, keys: list[bytes], tokens: np.ndarray, depth: int
     ) -> int:
-        """A match's continuation (a :class:`Fetch` of these fields): the thread asks the
-        store for it. Returns the tokens asked for (the answer's ``match_fetching``), 0
-        when nothing is asked (no model id yet, the store unreachable). O(1) here."""
+        """A match's continuation (a :class:`Fetch` of these fields). Returns the tokens
+        the answer says are being fetched (``match_fetching``), for a scheduler that
+        holds the request and matches it again:
+
+        * its first page is being read from the store already (an earlier match's
+          fetch): the pages in flight from there, nothing asked again;
+        * the store lacked its first page when last asked, within :data:`ABSENT_S`: 0
+          (a prompt the store does not have is computed at once, never waited for);
+        * else the thread asks the store: all of it (the answer is not known yet; a
+          second match a moment later says what was found).
+
+        0 as well with no model id yet, or the store unreachable. O(pages asked) here."""
         if self.model_id is None or not self.counters.reachable or not keys:
             return 0
+        ps = self.geometry.page_size
+        fetching, absent = self._fetching, self._absent
+        if keys[0] in fetching:
+            return ps * next((i for i, k in enumerate(keys) if k not in fetching), len(keys))
+        gone = absent.get(keys[0])
+        if gone is not None and time.monotonic() < gone:
+            return 0
         del keys[self.max_fetch_pages :]
-        fetch = Fetch(namespace, parent, root, keys, tokens[: len(keys) * self.geometry.page_size], depth)
+        fetch = Fetch(namespace, parent, root, keys, tokens[: len(keys) * ps], depth)
         fetch.started = time.perf_counter()
         self._pending.append(("want", fetch))
-        return len(keys) * self.geometry.page_size
+        return len(keys) * ps
 
     def reserved(self, fetch: Fetch) -> None:
         """The tier reserved ``fetch.host`` (maybe fewer pages than found, maybe none)."""
@@ -430,6 +449,13 @@ class StoreLink:
             fetch.found = next((i for i, p in enumerate(present) if not p), len(present))
             self.counters.pages_found += fetch.found
             self._fetching.update(fetch.keys[: fetch.found])
+            if fetch.found < len(fetch.keys):  # a match of this prefix soon after is not held for it
+                absent = self._absent
+                if len(absent) > 65536:
+                    now = time.monotonic()
+                    for key in [k for k, until in absent.items() if until < now]:
+                        del absent[key]
+                absent[fetch.keys[fetch.found]] = time.monotonic() + ABSENT_S
         if fetch.found:  # else the loop has nothing to do: it keeps no record of a fetch
             self._back("found", fetch)
 
