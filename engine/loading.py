@@ -93,3 +93,27 @@ class Loads:
             return waited
 
         return dataclasses.replace(batch, wait=wait)
+
+
+def held_for_store(
+    opened: list[Request], fetching: np.ndarray | None, now: float, wait_s: float, figures: Any
+) -> frozenset[int]:
+    """The admissions (by id) to hold for their prefix coming from the server's store
+    (``kvmem serve --store``): those whose match the answer says is being fetched
+    (``fetching``, per admission; None: none), within ``wait_s`` of their first hold.
+    The scheduler releases them in the next Step and admits them again (their match
+    then takes what has arrived). Counted in ``figures`` (``fetch_held``,
+    ``fetch_tokens``). O(admissions)."""
+    if not wait_s or fetching is None:
+        return frozenset()
+    held = []
+    for r, n in zip(opened, fetching.tolist(), strict=True):
+        if not n:
+            continue
+        if not r.fetch_until:
+            r.fetch_until = now + wait_s
+        if now < r.fetch_until:
+            held.append(id(r))
+            figures.fetch_held += 1
+            figures.fetch_tokens += n
+    return frozenset(held)

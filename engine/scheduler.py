@@ -48,7 +48,7 @@ import numpy as np
 from .backend import NOT_OPENED, OK, OUT_OF_PAGES, Backend, Outcome, Plan
 from .forward import Admission, BatchBuilder, ForwardBatch, ForwardOutput, Model, ModelFailure
 from .handoff import Moves
-from .loading import Loads
+from .loading import Loads, held_for_store
 from .request import Request, pack, unpack
 
 __all__ = ["Figures", "Policy", "Scheduler"]
@@ -491,7 +491,7 @@ class Scheduler:
         if out.match_loading is not None:
             loading = zip(steps.opened, out.match_lens.tolist(), out.match_loading.tolist(), strict=True)
             self.loads.note([(r, self._opened[r.rid], m, n) for r, m, n in loading if n])
-        fetching = self._fetching(steps.opened, out, now)
+        fetching = held_for_store(steps.opened, out.match_fetching, now, self.fetch_wait_s, f)
         for r, m in zip(steps.opened, out.match_lens.tolist(), strict=True):
             self.waiting.popleft()  # the admissions are the front of the queue, in order
             slot = self._opened.pop(r.rid)
@@ -604,24 +604,6 @@ class Scheduler:
             computing.append((r, 1, 1, 0, start >= r.prompt_len))
         builder.add_decodes(ids, rows, starts, tokens)
         return n
-
-    def _fetching(self, opened: list[Request], out: Outcome, now: float) -> frozenset[int]:
-        """The admissions (by id) to hold for their prefix coming from the server's store:
-        those whose match the answer says is being fetched, within ``fetch_wait_s`` of
-        their first hold. Counted in the figures."""
-        if not self.fetch_wait_s or out.match_fetching is None:
-            return frozenset()
-        held = []
-        for r, n in zip(opened, out.match_fetching.tolist(), strict=True):
-            if not n:
-                continue
-            if not r.fetch_until:
-                r.fetch_until = now + self.fetch_wait_s
-            if now < r.fetch_until:
-                held.append(id(r))
-                self.figures.fetch_held += 1
-                self.figures.fetch_tokens += n
-        return frozenset(held)
 
     def _back_to_waiting(self, r: Request) -> None:
         """A preempted request, released: to the front of the queue, to recompute."""
