@@ -255,3 +255,29 @@ def test_a_pool_that_cannot_fit_dev_shm_is_refused_in_one_line() -> None:
         assert os.listdir(shm) == []
     finally:
         subprocess.run(["umount", shm], capture_output=True)
+
+
+def test_the_store_example_parses_and_its_urls_name_its_services() -> None:
+    """``deploy/kubernetes/store.yaml`` (a store beside the sidecars): it parses, the
+    URLs its header gives the sidecars name its Services and ports, every KVMEM_* the
+    DEPLOY page tells the sidecar to set is a ``kvmem serve`` option, and the URLs are
+    ones kvmem's store adapters take."""
+    yaml = __import__("yaml")
+    text = (ROOT / "deploy" / "kubernetes" / "store.yaml").read_text()
+    docs = list(yaml.safe_load_all(text))
+    services = {d["metadata"]["name"]: d["spec"]["ports"][0]["port"] for d in docs if d["kind"] == "Service"}
+    assert services == {"kvmem-valkey": 6379, "kvmem-mooncake-master": 50051}, services
+    assert "KVMEM_STORE=redis://kvmem-valkey:6379" in text
+    assert "KVMEM_STORE=mooncake://kvmem-mooncake-master:50051?protocol=tcp" in text
+    from kvmem.server.store.base import StoreURL
+
+    for url in ("redis://kvmem-valkey:6379", "mooncake://kvmem-mooncake-master:50051?protocol=tcp"):
+        assert StoreURL.parse(url).hosts[0][0] in services
+    page = (ROOT / "docs" / "DEPLOY.md").read_text()
+    section = page[page.index("## A store every node shares") :]
+    section = section[: section.index("\n## ")]
+    named = set(re.findall(r"KVMEM_[A-Z_]+", section)) - {"KVMEM_STORE_PASSWORD"}  # that one is the password itself
+    help_text = serve_help()
+    for env in sorted(named):
+        flag = "--" + env.removeprefix("KVMEM_").lower().replace("_", "-")
+        assert flag in help_text, f"{env} in docs/DEPLOY.md is no kvmem serve option ({flag})"
