@@ -30,7 +30,7 @@ import numpy as np
 
 from kvmem.server.core.events import CacheEvent, PagesRemoved, PagesStored
 from kvmem.server.core.hashing import PageKeys
-from kvmem.server.core.image import CoreImage
+from kvmem.server.core.image import CoreImage, row_items
 from kvmem.server.core.tier import HostTier
 from kvmem.server.core.undo import UndoLog
 
@@ -62,12 +62,20 @@ class PrefixCache:
         self.depth = np.zeros(num_pages, dtype=np.int32) if image is None else image.page_depth  # column in its chain
         # Cached now; the image's flags (image.page_cached) follow at flush_image(), after the facts.
         self.cached = np.zeros(num_pages, dtype=bool)
-        # The facts of the pages this call cached, for the image (flush_image), flat.
-        self._img_pages: list[int] = []
-        self._img_keys: list[bytes] = []
-        self._img_parents: list[bytes] = []
-        self._img_tokens: list[np.ndarray] = []  # runs of token rows, page_size each
-        self._img_ns: list[tuple[str, int]] = []  # (namespace, pages) per insert
+        # The facts of the pages this call cached, for the image (flush_image): chunks of
+        # pages with their keys, parents and token rows as row items (image.row_items).
+        self._img_pages: list[np.ndarray] = []
+        self._img_keys: list[np.ndarray] = []
+        self._img_parents: list[np.ndarray] = []
+        self._img_tokens: list[np.ndarray] = []
+        self._img_ns: list[tuple[str, int]] = []  # (namespace, pages) per chunk
+        self._img_evictions = 0  # num_evictions when the call's first chunk came
+        if image is not None:
+            self._img_key_rows = row_items(image.page_key)
+            self._img_parent_rows = row_items(image.page_parent)
+            self._img_token_rows = row_items(image.page_tokens)
+            self.key_item: np.dtype = self._img_key_rows.dtype  # a key's bytes as one item
+            self.image_cached = image.page_cached  # the image's flags (set at flush_image)
         self.roots: dict[str, bytes] = {}  # namespace -> the parent key of its chains' first pages
         # The evictable queue: entries [head, tail) of (page, seq); valid while lru_seq[page] == seq.
         cap = 2 * num_pages + 64
@@ -105,13 +113,18 @@ class PrefixCache:
         namespace: str,
         parent: bytes,
         first_col: int = 0,
+        pend: bool = True,
     ) -> list[int]:
         """Cache the chain ``pages`` (held by a request, column ``first_col`` on) under
         ``keys`` (computed from ``tokens``, ``page_size`` each, in ``namespace`` from
         ``parent``: the root for column 0, else the key of the page before). A key the
         cache already has on another page is not inserted: the result lists, per page,
         the cached page of its key (its own when inserted or already cached). One
-        :class:`PagesStored` per run of new pages. O(pages)."""
+        :class:`PagesStored` per run of new pages. O(pages).
+
+        With a state image, the new pages' facts go to :meth:`pend_image` (written at
+        the call's end); with ``pend`` False the caller hands them to it itself (for
+        many chains at once)."""
         index, get = self.index, self.index.get
         ps = self.page_size
         out: list[int] = []
@@ -144,8 +157,8 @@ class PrefixCache:
             cols = np.array(new, dtype=np.intp)
             where = np.array(pages, dtype=np.intp)[cols]
             self.cached[where] = True
-            if self._image is not None:  # into the image at the call's end (flush_image)
-                self._pend(where, new, keys, parent, tokens, namespace)
+            if pend and self._image is not None:  # into the image at the call's end
+                self._pend_chain(where, new, keys, parent, tokens, namespace)
             if self.tier is not None and self.tier.write_through:  # chain end first, as an eviction hands them
                 self._to_tier(where[::-1])
         return out
@@ -165,60 +178,84 @@ class PrefixCache:
         )
         self.events += self.tier.take_events()  # before a removal from the device that follows
 
+    @property
+    def keeps_image(self) -> bool:
+        """Whether cached pages' facts go into a state image (:meth:`pend_image`)."""
+        return self._image is not None
+
+    def pend_image(
+        self, pages: np.ndarray, keys: np.ndarray, parents: np.ndarray, tokens: np.ndarray, namespace: str
+    ) -> None:
+        """Facts of ``pages`` this call cached, for :meth:`flush_image`: their keys and
+        parent keys (items of :attr:`key_item`) and token rows (row items of
+        ``page_size`` int32, :func:`~kvmem.server.core.image.row_items`). O(1)."""
+        if not self._img_pages:
+            self._img_evictions = self.num_evictions
+        self._img_pages.append(pages)
+        self._img_keys.append(keys)
+        self._img_parents.append(parents)
+        self._img_tokens.append(tokens)
+        self._img_ns.append((namespace, int(pages.size)))
+
+    def _pend_chain(
+        self, where: np.ndarray, cols: list[int], keys: list[bytes], parent: bytes, tokens: np.ndarray, namespace: str
+    ) -> None:
+        """One insert's new pages (``cols`` of its chain, at ``where``) for
+        :meth:`pend_image`. O(pages)."""
+        ps, kind = self.page_size, self.key_item
+        first, last = cols[0], cols[-1]
+        if last - first + 1 == len(cols):  # one run of columns (a chain's new end)
+            key_list = keys[first : last + 1]
+            parent_list = [keys[first - 1] if first else parent, *keys[first:last]]
+            rows = tokens[first * ps : (last + 1) * ps]
+        else:
+            key_list = [keys[c] for c in cols]
+            parent_list = [keys[c - 1] if c else parent for c in cols]
+            rows = np.concatenate([tokens[c * ps : (c + 1) * ps] for c in cols])
+        self.pend_image(
+            where,
+            np.frombuffer(b"".join(key_list), kind),
+            np.frombuffer(b"".join(parent_list), kind),
+            row_items(np.ascontiguousarray(rows, dtype=np.int32).reshape(-1, ps)),
+            namespace,
+        )
+
     def flush_image(self) -> None:
-        """Write the facts of the pages this call cached into the image, then their
-        flags: one scatter per fact for the whole call. A crash before it leaves those
-        pages uncached in the image (in their rows still: nothing lost but the cache
-        entries); a page evicted since is skipped. O(pages)."""
+        """Write the facts of the pages this call cached (:meth:`pend_image`) into the
+        image, then their flags: one scatter of whole rows per fact for the whole call.
+        A crash before it leaves those pages uncached in the image (in their rows still:
+        nothing lost but the cache entries). When the call evicted anything since its
+        first insert, a page evicted since is skipped and one cached again after its
+        eviction written once, with its last facts (else the pages are distinct and
+        all cached). O(pages)."""
         image = self._image
         if image is None or not self._img_pages:
             return
-        pages, keys, parents, token_runs = self._img_pages, self._img_keys, self._img_parents, self._img_tokens
-        self._img_pages, self._img_keys, self._img_parents, self._img_tokens = [], [], [], []
-        ns_runs, self._img_ns = self._img_ns, []
-        width = image.layout.key_bytes
-        where = np.array(pages, dtype=np.intp)
-        key_rows = np.frombuffer(b"".join(keys), np.uint8).reshape(-1, width)
-        parent_rows = np.frombuffer(b"".join(parents), np.uint8).reshape(-1, width)
-        rows = (np.concatenate(token_runs) if len(token_runs) > 1 else token_runs[0]).reshape(-1, self.page_size)
+        chunks = self._img_pages, self._img_keys, self._img_parents, self._img_tokens
+        ns_runs = self._img_ns
+        self._img_pages, self._img_keys, self._img_parents, self._img_tokens, self._img_ns = [], [], [], [], []
+        where, keys, parents, rows = (np.concatenate(c) if len(c) > 1 else c[0] for c in chunks)
         ids = {image.namespace_id(name) for name, _ in ns_runs}
         ns: np.ndarray | int = (
             ids.pop()
             if len(ids) == 1
             else np.repeat([image.namespace_id(name) for name, _ in ns_runs], [n for _, n in ns_runs])
         )
-        live = self.cached[where]
-        if not live.all():  # evicted since, in this call
-            where, key_rows, parent_rows, rows = where[live], key_rows[live], parent_rows[live], rows[live]
+        if self.num_evictions != self._img_evictions:  # some may be gone, or cached twice
+            last = where.size - 1 - np.unique(where[::-1], return_index=True)[1]  # each page's last entry
+            last = last[self.cached.take(where[last])]
+            where, keys, parents, rows = where[last], keys[last], parents[last], rows[last]
             if isinstance(ns, np.ndarray):
-                ns = ns[live]
-        image.page_key[where] = key_rows
-        image.page_parent[where] = parent_rows
-        image.page_tokens[where] = rows
+                ns = ns[last]
+            if not where.size:
+                return
+        self._img_key_rows[where] = keys
+        self._img_parent_rows[where] = parents
+        self._img_token_rows[where] = rows
         image.page_ns[where] = ns
         if self.undo is not None:
             self.undo.inserted(where.astype(np.int32))
         image.page_cached[where] = True  # the flags last
-
-    def _pend(
-        self, where: np.ndarray, cols: list[int], keys: list[bytes], parent: bytes, tokens: np.ndarray, namespace: str
-    ) -> None:
-        """A call's inserted pages, for :meth:`flush_image`: flat, in insertion order (the
-        last write of a page wins). Their token rows as one slice when the columns are
-        one run (the usual: a chain's new end). O(pages), list appends."""
-        ps, n = self.page_size, len(cols)
-        self._img_pages += where.tolist()
-        first, last = cols[0], cols[-1]
-        if last - first + 1 == n:  # one run of columns
-            self._img_keys += keys[first : last + 1]
-            self._img_parents.append(keys[first - 1] if first else parent)
-            self._img_parents += keys[first:last]
-            self._img_tokens.append(tokens[first * ps : (last + 1) * ps])
-        else:
-            self._img_keys += [keys[c] for c in cols]
-            self._img_parents += [keys[c - 1] if c else parent for c in cols]
-            self._img_tokens += [tokens[c * ps : (c + 1) * ps] for c in cols]
-        self._img_ns.append((namespace, n))
 
     def _stored(
         self, keys: list[bytes], tokens: np.ndarray, namespace: str, start: int, end: int, first_parent: bytes | None

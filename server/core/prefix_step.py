@@ -202,14 +202,17 @@ def _insert_rows(
     table = requests.table
     width = table.width
     root = cache.root(ns)
-    rows = _RowPages(cache, table, which, tokens) if cache.keeps_image else None
+    # With a state image the new pages' facts go to it once, for all items (_pend_image);
+    # each item's keys joined as it is inserted, while they are at hand.
+    joined: list[bytes] | None = [] if cache.keeps_image else None
+    inserted = cache.num_inserted
     for i, (slot, keys) in enumerate(zip(which.tolist(), plan_keys, strict=True)):
         if not keys:
             continue
         row = table.array[slot, : len(keys)]
-        kept = np.array(cache.insert(row.tolist(), keys, tokens.item(i), ns, root, 0, rows is None), dtype=np.int32)
-        if rows is not None:
-            rows.keys.append(b"".join(keys))  # while they are at hand (joined at the end, they are cold)
+        kept = np.array(cache.insert(row.tolist(), keys, tokens.item(i), ns, root, 0, joined is None), dtype=np.int32)
+        if joined is not None:
+            joined.append(b"".join(keys))
         moved = kept != row
         count = int(np.count_nonzero(moved))
         if count:
@@ -217,8 +220,8 @@ def _insert_rows(
             kept_pages.append(kept[moved])
             switched[i] = count
             changed.append(slot)
-    if rows is not None:
-        rows.pend_inserted(root, ns)
+    if joined is not None and cache.num_inserted != inserted:
+        _pend_image(cache, table, which, tokens, joined, cache.num_inserted - inserted, root, ns)
     if where:
         if len(where) == 1:
             requests.switch(where[0], kept_pages[0])
@@ -227,50 +230,51 @@ def _insert_rows(
     return switched, changed
 
 
-class _RowPages:
-    """The full pages of the items' rows before :func:`_insert_rows` inserts them, and
-    which were cached then: after it, the pages cached since are those it inserted
-    (a row's pages that are not cached are its own, in no other row; none is evicted
-    in between, and a switch moves only pages not inserted), and
-    :meth:`pend_inserted` hands their facts to the cache's image, all items at once,
-    vectorised (:meth:`PrefixCache.pend_image`). O(items + pages)."""
-
-    def __init__(self, cache: PrefixCache, table: BlockTable, which: np.ndarray, tokens: TokenLists) -> None:
-        ps = table.page_size
-        self.cache, self.table, self.tokens = cache, table, tokens
-        self.sizes = sizes = tokens.lengths() // ps  # the items' full pages (each item's keys)
-        total = int(sizes.sum())
-        self.starts = starts = np.repeat(np.cumsum(sizes) - sizes, sizes)  # per page, where its item's start
-        self.cols = cols = np.arange(total) - starts  # per page, its column
-        self.item = np.repeat(np.arange(sizes.size), sizes)
-        self.pages = table.flat[which[self.item] * table.width + cols]
-        self.was = cache.cached[self.pages]
-        self.keys: list[bytes] = []  # per item with full pages, its keys joined (the loop appends them)
-
-    def pend_inserted(self, root: bytes, ns: str) -> None:
-        """The pages cached since, with their keys (:attr:`keys`), parents
-        (``root`` for a chain's first) and token rows, to the cache's image."""
-        cache, pages = self.cache, self.pages
-        new = cache.cached[pages] & ~self.was
-        at = np.flatnonzero(new)  # a new page's index among all the items' pages (and keys)
-        if not at.size:
-            return
-        kind = cache.key_item
-        all_keys = np.frombuffer(b"".join(self.keys), kind)
-        if all_keys.size != pages.size:  # every item's keys are its full pages'
-            raise AssertionError(f"{all_keys.size} keys for {pages.size} full pages")
-        all_new = at.size == pages.size
-        keys = all_keys if all_new else all_keys[at]
-        cols = self.cols if all_new else self.cols[at]
-        parents = all_keys.take(at - 1)  # the key before it in its chain (a first page's: the root, below)
-        parents[cols == 0] = np.frombuffer(root, kind)[0]
-        ps, ids = self.table.page_size, self.tokens.ids
-        first = self.tokens.offsets[self.item[at]] + cols * ps  # a page's first token in ids
-        if ids.dtype == np.int32 and ids.flags.c_contiguous and not (first % ps).any():  # whole rows of ids
-            rows = row_items(ids[: ids.size // ps * ps].reshape(-1, ps))[first // ps]
-        else:
-            rows = row_items(np.ascontiguousarray(ids[first[:, None] + np.arange(ps)], dtype=np.int32))
-        cache.pend_image((pages if all_new else pages[at]).astype(np.intp), keys, parents, rows, ns)
+def _pend_image(
+    cache: PrefixCache,
+    table: BlockTable,
+    which: np.ndarray,
+    tokens: TokenLists,
+    joined: list[bytes],
+    inserted: int,
+    root: bytes,
+    ns: str,
+) -> None:
+    """The facts of the ``inserted`` pages :func:`_insert_rows` just cached (their
+    switches not made yet), all items at once, to the cache's image
+    (:meth:`PrefixCache.pend_image`), vectorised: ``joined`` holds each item's keys
+    (its full pages', in column order), joined, for the items with any. The new pages
+    are every full page of the items when ``inserted`` counts them all (the usual);
+    else those cached now and not yet in the image (:attr:`CoreImage.page_cached` is
+    set only at the end of the call that caches a page, and a row's pages not cached
+    before are its own, in no other row). O(items + pages)."""
+    ps = table.page_size
+    sizes = tokens.lengths() // ps  # the items' full pages (as many keys)
+    total = int(sizes.sum())
+    kind = cache.key_item
+    all_keys = np.frombuffer(b"".join(joined), kind)
+    if all_keys.size != total:
+        raise AssertionError(f"{all_keys.size} keys for {total} full pages")
+    starts = np.repeat(np.cumsum(sizes) - sizes, sizes)  # per page, where its item's pages start
+    at = np.arange(total)  # per page, its index among all the items' pages (and keys)
+    cols = at - starts
+    pages = table.flat[np.repeat(which * table.width, sizes) + cols]
+    item_tokens = np.repeat(tokens.offsets[:-1], sizes)  # per page, where its item's tokens start
+    if inserted != total:  # only some are new
+        at = np.flatnonzero(cache.cached[pages] & ~cache.image_cached[pages])
+        cols, pages, item_tokens = cols[at], pages[at], item_tokens[at]
+        keys = all_keys[at]
+    else:
+        keys = all_keys
+    parents = all_keys.take(at - 1)  # the key before it in its chain (a first page's: the root, below)
+    parents[cols == 0] = np.frombuffer(root, kind)[0]
+    ids = tokens.ids
+    first = item_tokens + cols * ps  # a page's first token in ids
+    if ids.dtype == np.int32 and ids.flags.c_contiguous and not (first % ps).any():  # whole rows of ids
+        rows = row_items(ids[: ids.size // ps * ps].reshape(-1, ps))[first // ps]
+    else:
+        rows = row_items(np.ascontiguousarray(ids[first[:, None] + np.arange(ps)], dtype=np.int32))
+    cache.pend_image(pages.astype(np.intp), keys, parents, rows, ns)
 
 
 def cache_rows(

@@ -51,7 +51,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvmem.server.core.events import CacheEvent, PagesRemoved, PagesStored
-from kvmem.server.core.image import CoreImage
+from kvmem.server.core.image import CoreImage, row_items
 
 # The events' medium (vLLM's BlockStored / BlockRemoved ``medium``): where the page is.
 DEVICE, HOST = "GPU", "CPU"
@@ -373,11 +373,10 @@ class HostTier:
         scatter per fact, then the flags. O(pages)."""
         image = self.image
         assert image is not None
-        image.host_key[host] = image.page_key[device]
-        image.host_parent[host] = image.page_parent[device]
+        for to, source in self._row_items:  # whole rows at a time (see image.row_items)
+            to[host] = source[device]
         image.host_depth[host] = image.page_depth[device]
         image.host_ns[host] = image.page_ns[device]
-        image.host_tokens[host] = image.page_tokens[device]
         image.host_cached[host] = True
 
     def attach_image(self, image: CoreImage) -> None:
@@ -388,6 +387,11 @@ class HostTier:
                 f"the state image holds {image.layout.host_pages} host pages, this host tier has {self.num_pages}"
             )
         self.image = image
+        # the host's rows of keys, parents and tokens and the pool's, as row items (_copy_facts)
+        self._row_items = [
+            (row_items(getattr(image, f"host_{name}")), row_items(getattr(image, f"page_{name}")))
+            for name in ("key", "parent", "tokens")
+        ]
 
     def install(
         self,
@@ -443,13 +447,14 @@ class HostTier:
         if short <= 0:
             return
         lru, index = self._lru, self.index
-        gone: list[bytes] = []
-        for _ in range(short):
-            page, _ = lru.popitem(last=False)
-            key = self.key[page]
+        pages = [lru.popitem(last=False)[0] for _ in range(short)]
+        at = np.array(pages, dtype=np.intp)
+        gone: list[bytes] = self.key.take(at).tolist()
+        for key in gone:
             del index[key]
-            gone.append(key)
-            self._release(page)
+        if self.image is not None:  # their flags cleared before anyone can reuse them: one scatter
+            self.image.host_cached[at] = False
+        self._free += pages
         self.num_evicted += short
         self.events.append(PagesRemoved(gone, HOST))
 
