@@ -116,17 +116,16 @@ def redact(text: str) -> str:
 
 def _userinfo(text: str) -> tuple[str, str, str] | None:
     """``("scheme://", user info, what follows its '@')``, or None when ``text`` has no
-    user info. Read from the raw text, not a URL parser's idea of the host part: a
-    password with an unencoded ``/``, ``?`` or ``#`` (base64 passwords have ``/``) ends a
-    parser's host part early and would leave the password in the path, query or fragment.
-    So an ``@`` anywhere after the host part counts as ending user info too (an ``@`` in a
-    query value, a file name, is then taken for one: safe, since a URL with a password is
-    refused anyway, and ``%40`` writes it)."""
+    user info. Read from the raw text up to its *last* ``@``, not from a URL parser's idea
+    of the host part: a password with an unencoded ``/``, ``?`` or ``#`` (base64 passwords
+    have ``/``) ends a parser's host part early and would leave the rest of the password
+    in the path, query or fragment. An ``@`` in a query value (a file name) is then taken
+    for the end of user info too: safe, since a URL with a password is refused anyway,
+    and ``%40`` writes it."""
     head, sep, rest = text.partition("://")
     if not sep or "@" not in rest:
         return None
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    at = rest.rindex("@", 0, end) if "@" in rest[:end] else rest.rindex("@")
+    at = rest.rindex("@")
     return head + sep, rest[:at], rest[at + 1 :]
 
 
