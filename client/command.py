@@ -223,6 +223,7 @@ def _table(s: Any) -> str:
         f"their giver {s.num_handoffs_given_up}",
         _prefix_line(s),
         *_host_line(s),
+        *_store_lines(s),
         _origin_line(s.origin),
     ]
     if s.audit.ran:
@@ -280,6 +281,52 @@ def _host_line(s: Any) -> list[str]:
         f"tokens matched from it), evicted {h.num_evicted}, dropped {h.num_dropped}; {moved / 2**20:.1f} MiB "
         f"moved{loads}"
     ]
+
+
+def _store_lines(s: Any) -> list[str]:
+    """The cluster tier (kvmem serve --store) in two lines (none without one): the store
+    (its URL comes redacted), whether it answers and the model its keys are for; then its
+    pages and bytes each way, values rejected (the reasons with any), writes pending and
+    the fetches' latency. A store that is down only makes matches miss it: the server
+    stays ready."""
+    if not s.HasField("store"):
+        return []
+    t = s.store
+    calls = f"connects {t.connects}, failed calls {t.failures}"
+    if t.reachable:
+        state = f"reachable ({calls})"
+    elif not t.connects and not t.failures:
+        state = "connecting (first try)"
+    else:
+        when = "since start: never connected" if not t.connects else "since its last error"
+        state = (
+            f"UNREACHABLE {when} ({t.last_error or 'no error text'}; {calls}): matches miss it and writes are "
+            "dropped, reconnecting with backoff"
+        )
+    model = f"model {t.model_id}" if t.model_id else (
+        "no model id yet: nothing written or fetched until an engine attaches with one"
+    )  # fmt: skip
+    rejected = ", ".join(f"{reason} {n}" for reason, n in sorted(t.rejected.items()) if n) or "none"
+    latency = f"   fetches: p50 {t.fetch_ms_p50:.2f} ms, p99 {t.fetch_ms_p99:.2f} ms" if t.fetch_ms_p99 else ""
+    return [
+        f"store {t.kind} {t.url}   {state}   {model}",
+        f"store since start: written {t.pages_written} pages (dropped {t.write_dropped}, failed {t.write_failed}), "
+        f"fetched {t.fetches} (found {t.pages_found}, read {t.pages_read}, no room {t.no_room}), rejected "
+        f"{rejected}; {_size(t.bytes_written)} written, {_size(t.bytes_read)} read; writes pending "
+        f"{t.writes_pending}{latency}",
+    ]
+
+
+def _size(n: int) -> str:
+    """Bytes for people: B, then KiB, MiB or GiB with one decimal."""
+    if n < 1024:
+        return f"{n} B"
+    amount, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if amount < 1024:
+            break
+        amount, unit = amount / 1024, bigger
+    return f"{amount:.1f} {unit}"
 
 
 def _prefix_line(s: Any) -> str:

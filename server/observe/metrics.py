@@ -12,6 +12,11 @@ A scrape of ``GET /metrics`` shows (names under ``kvmem_``):
   query and hit tokens (hit rate = hit / query), pages inserted and pages evicted;
 - the host-memory tier (``--host-memory``): its pages by state, pages and bytes moved
   each way, pages evicted and dropped, prompt tokens matched from it;
+- the cluster tier (``--store URL``): the store's kind and model id, whether it is up (a
+  store that is down never makes the server unready: matches only miss it), connects and
+  failed calls, pages written, found and read, dropped and failed writes, values
+  rejected by reason, bytes each way, fetches and their latency, writes pending; never
+  its URL (the password stays out of the scrape whatever the URL holds);
 - totals since start: steps, pages allocated and released, alloc items by status
   (``OUT_OF_PAGES`` is memory pressure), sessions ended and why;
 - per RPC method: calls by gRPC code, errors by kvmem reason, and a histogram of the
@@ -44,7 +49,7 @@ import functools
 import gzip
 import logging
 import platform
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -201,6 +206,7 @@ class KVMemCollector(Collector):
             pool.num_cache_entries,
         )
         yield from _host_tier(pool.host)
+        yield from _store(pool.store)
 
     def _per_session(self, stats: ServerStats) -> Iterator[Metric]:
         labels = ["session", "index"]
@@ -475,3 +481,77 @@ def _host_tier(host: HostTierStats | None) -> Iterator[Any]:
     yield CounterMetricFamily(
         "kvmem_host_tier_hit_tokens", "Prompt tokens matches loaded from the host tier.", host.hit_tokens
     )
+
+
+def _store(store: Mapping[str, Any] | None) -> Iterator[Any]:
+    """The cluster tier (kvmem serve --store URL), when there is one, from the store
+    link's snapshot (proto ``StoreStats``' fields): up or not, connects and failed calls,
+    pages written, found and read, writes dropped and failed, values rejected by reason,
+    bytes each way, fetches and their latency, writes pending. The URL is left out: no
+    other metric carries one, and a label is no place for a store's address."""
+    if store is None:
+        return
+    yield InfoMetricFamily(
+        "kvmem_store",
+        "The store: its kind, and the model id its keys are made for (empty until an engine attaches with one).",
+        {"kind": str(store["kind"]), "model_id": str(store["model_id"])},
+    )
+    # 0 while the store is down: matches miss it and writes are dropped, the server stays
+    # ready and healthy (readiness never depends on the store) and reconnects with backoff.
+    yield GaugeMetricFamily(
+        "kvmem_store_up", "1 when the store's last call succeeded, 0 while it is down (reconnecting with backoff).",
+        int(bool(store["reachable"])),
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        "kvmem_store_connects", "Successful connects to the store (1 + reconnects).", store["connects"]
+    )
+    yield CounterMetricFamily(
+        "kvmem_store_failures", "Store calls that failed (down, timed out, refused).", store["failures"]
+    )
+    pages = CounterMetricFamily(
+        "kvmem_store_pages",
+        "Pages written to the store, found in it by fetches, and read back from it (checked, into the host tier).",
+        labels=["direction"],
+    )
+    pages.add_metric(["written"], store["pages_written"])
+    pages.add_metric(["found"], store["pages_found"])
+    pages.add_metric(["read"], store["pages_read"])
+    yield pages
+    yield CounterMetricFamily(
+        "kvmem_store_pages_dropped",
+        "Pages not written: the write queue was full, the store was down, or no model id was set yet.",
+        store["write_dropped"],
+    )
+    yield CounterMetricFamily(
+        "kvmem_store_write_failed", "Pages whose write the store refused or failed.", store["write_failed"]
+    )
+    yield CounterMetricFamily(
+        "kvmem_store_pages_no_room", "Pages found in the store that the host tier had no room for.", store["no_room"]
+    )
+    rejected = CounterMetricFamily(
+        "kvmem_store_rejected",
+        "Values read from the store and refused (a miss, never loaded), by reason.",
+        labels=["reason"],
+    )
+    for reason, n in sorted(store["rejected"].items()):
+        rejected.add_metric([reason], n)
+    yield rejected
+    moved = CounterMetricFamily(
+        "kvmem_store_bytes", "Bytes written to and read from the store (headers included).", labels=["direction"]
+    )
+    moved.add_metric(["written"], store["bytes_written"])
+    moved.add_metric(["read"], store["bytes_read"])
+    yield moved
+    yield CounterMetricFamily("kvmem_store_fetches", "Matches' continuations asked of the store.", store["fetches"])
+    latency = GaugeMetricFamily(
+        "kvmem_store_fetch_seconds",
+        "A fetch's time from its match to its pages checked, over the last 1024 fetches.",
+        labels=["quantile"],
+    )
+    latency.add_metric(["0.5"], store["fetch_ms_p50"] / 1e3)
+    latency.add_metric(["0.99"], store["fetch_ms_p99"] / 1e3)
+    yield latency
+    yield GaugeMetricFamily(
+        "kvmem_store_writes_pending", "Host pages waiting for their write to the store now (pinned until written).",
+        store["writes_pending"],
+    )  # fmt: skip

@@ -342,17 +342,10 @@ class StoreLink:
         c.reachable = False
 
     def _abandon(self, kind: str, item: Any) -> None:
-        """A job the store could not do: its pages handed back, nothing found."""
+        """A job the store could not do: counted. Its pages went back already (a write's
+        and a read's ``finally``); a lookup that failed marked nothing in flight."""
         if kind == "write":
-            pages, _ = item
-            self.counters.write_failed += len(pages)
-            self._back("written", pages)
-        elif kind == "want":
-            self._fetching.difference_update(item.keys[: item.found])
-        elif kind == "read":
-            self._fetching.difference_update(item.keys)
-            item.valid = 0
-            self._back("fetched", item)
+            self.counters.write_failed += len(item[0])
 
     def _on_model(self, model_id: str) -> None:
         self._codecs = [
