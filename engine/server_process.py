@@ -142,7 +142,10 @@ def own_server_argv(args: argparse.Namespace) -> list[str]:
     max_context = min(max_context, (num_pages - 1) * ps)  # a small --num-pages: the context it holds
     max_requests = args.workers * args.max_running + 16
     sizes = f"--page-size {ps} --num-pages {num_pages} --max-requests {max_requests} --max-context {max_context}"
-    tier = ["--host-memory", args.host_memory] if getattr(args, "host_memory", None) else []
+    store = getattr(args, "store", None)
+    host = getattr(args, "host_memory", None) or ("64MiB" if store else None)
+    tier = ["--host-memory", host] if host else []
     if tier and getattr(args, "host_write_policy", "write-back") != "write-back":
         tier += ["--host-write-policy", args.host_write_policy]
+    tier += ["--store", store] if store else []
     return ["serve", "--device", args.device, *sizes.split(), *tier, "--log-level", "warning"]

@@ -55,6 +55,10 @@ class KVAllocator:
     a :class:`kvmem.client.Resumed`; the allocator's requests go on as they were (the
     same slots, rows and K/V), its calls block through the restart, and nothing is
     raised. ``request_id_prefix`` starts the ids of the kvmem requests it opens.
+    ``model_id``: the model with its weights' revision, for a server with a store
+    (``kvmem serve --store``); the drop-in's matches take what the store gave the server
+    so far (a prefix still being fetched is computed: nothing in the reference's
+    interface could hold the request for it).
     """
 
     def __init__(
@@ -72,13 +76,16 @@ class KVAllocator:
         auth_token: str | None = None,
         request_id_prefix: str = "compat-",
         on_resumed: Callable[[Resumed], None] | None = None,
+        model_id: str = "",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._owns_client = not isinstance(target_or_client, KVMemClient)
         if isinstance(target_or_client, KVMemClient):
-            if name or cache_namespace or on_resumed:
-                raise ValueError("name, cache_namespace and on_resumed are the given client's: set them on it")
+            if name or cache_namespace or on_resumed or model_id:
+                raise ValueError(
+                    "name, cache_namespace, model_id and on_resumed are the given client's: set them on it"
+                )
             self.client = target_or_client
         else:
             self.client = KVMemClient(
@@ -88,6 +95,7 @@ class KVAllocator:
                 timeout=timeout,
                 auth_token=auth_token,
                 on_resumed=on_resumed,
+                model_id=model_id,
             )
         try:
             g = self.client.geometry

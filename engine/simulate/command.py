@@ -144,6 +144,31 @@ def add_parser(sub: Any, name: str = "simulate") -> None:
         "(kvmem serve --host-write-policy; default: write-back)",
     )
 
+    server.add_argument(
+        "--nodes",
+        metavar="N",
+        type=integer(1),
+        default=1,
+        help="2: two nodes on this machine sharing one store (--store): simulate starts two servers and runs the "
+        "workload on node A, then the same workload on node B, whose matches read node A's pages from the "
+        "store (their K/V checked as always); the report compares the nodes (default: 1)",
+    )
+    server.add_argument(
+        "--store",
+        metavar="URL",
+        default=None,
+        help="with --nodes 2 (or for the one server simulate starts): the store the servers share (kvmem serve "
+        "--store, e.g. redis://127.0.0.1:6379); their host tiers are --host-memory, default 64MiB",
+    )
+    server.add_argument(
+        "--store-wait-ms",
+        metavar="MS",
+        type=positive_float,
+        default=200.0,
+        help="with a store: how long at most a request whose prefix its server is fetching from the store is "
+        "held for it (default: 200)",
+    )
+
     work = p.add_argument_group("the workload (per worker; the same seed and options give the same requests)")
     work.add_argument(
         "--workers", metavar="N", type=integer(1), default=4, help="scheduler worker processes (default: 4)"

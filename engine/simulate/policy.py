@@ -143,6 +143,7 @@ def scheduler(
     chunk_tokens: int,
     read_back: ReadBack | None = None,
     corrupt: bool = False,
+    fetch_wait_s: float = 0.0,
 ) -> SimWorker:
     """Worker ``worker``'s scheduler over ``backend``, computing with ``model``, on its
     share of the workload; ``read_back``: checks each request's K/V before its release
@@ -167,6 +168,7 @@ def scheduler(
         max_running=max_running,
         policy=policy,
         on_arrival=on_arrival,
+        fetch_wait_s=fetch_wait_s,
     )
     sched.add(requests(spec, worker))
     return SimWorker(sched, worker, digest, check.verified if check is not None else Verified(), arrived)

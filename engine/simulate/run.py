@@ -19,6 +19,7 @@ import os
 import queue
 import secrets
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -44,6 +45,10 @@ from .report import (
 )
 from .worker import WorkerConfig, worker_main
 from .workload import WorkloadSpec, combined_digest
+
+# The model id simulate's workers attach with to a server that has a store: the synthetic
+# model's K/V is a function of the tokens alone, the same on every node.
+SYNTHETIC_MODEL_ID = "kvmem-simulate/synthetic@v1"
 
 SAMPLE_S = 0.1  # how often the pool is sampled from Stats
 APIS = {  # --api: what the workers drive kvmem through
@@ -173,6 +178,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
         reference = os.path.abspath(args.reference or default_reference_path())
         load_reference(reference)  # ReferenceMissing: said now, before the run
+    if args.nodes > 1:
+        return _nodes(args, reference, info)
     with server_for(args.tcp or f"unix:{args.socket}", "simulate", lambda: own_server_argv(args), info) as (
         target,
         own,
@@ -180,8 +187,56 @@ def _simulate(args: argparse.Namespace) -> int:
         return _with_server(args, target, own, reference, info)
 
 
+def _nodes(args: argparse.Namespace, reference: str | None, info: IO[str]) -> int:
+    """``--nodes 2``: two servers on one store; the workload on node A, then the same on
+    node B; each node's report, then the comparison (JSON: ``{"ok", "nodes": [...]}``)."""
+    if args.nodes != 2:
+        raise UsageError(f"--nodes {args.nodes}: two nodes are what this shows (node A computes, node B reads)")
+    if not args.store:
+        raise UsageError("--nodes 2 shares pages through a store: give --store URL (e.g. redis://127.0.0.1:6379)")
+    if args.tcp or args.baseline:
+        raise UsageError("--nodes 2 starts its own two servers: no --tcp or --baseline")
+    if args.api == "compat":
+        print(
+            "note: --api compat (the drop-in) cannot hold a request while its prefix is fetched from the store: node "
+            "B computes what is still in flight, and matches what has arrived (--api client holds, up to "
+            "--store-wait-ms)",
+            file=info,
+        )
+    results: list[dict[str, Any]] = []
+    codes = []
+    argv = own_server_argv(args)
+    for name in ("A", "B"):
+        own = OwnServer(argv, tempfile.mkdtemp(prefix=f"kvmem-simulate-node-{name.lower()}-", dir="/tmp"))
+        print(f"node {name}: kvmem {' '.join(argv)}", file=info, flush=True)
+        try:
+            own.wait_ready()
+            codes.append(_with_server(args, own.target, own, reference, info, node=name, collect=results))
+        finally:
+            print(f"node {name}: stopped its server (exit {own.stop()})", file=info)
+    a, b = results
+    ok = all(r["ok"] for r in results) and a["workload"]["digest"] == b["workload"]["digest"]
+    if args.json:
+        json.dump({"ok": ok, "nodes": results}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        read = (b.get("store") or {}).get("pages_read", 0)
+        print(
+            f"nodes: node A prefilled {a['totals']['prefill_tokens']:,} tokens, node B "
+            f"{b['totals']['prefill_tokens']:,} ({read:,} pages read from the store, their K/V checked); prefix "
+            f"hit rate node A {a['totals']['prefix_hit_rate']:.0%}, node B {b['totals']['prefix_hit_rate']:.0%}"
+        )
+    return max(codes) if ok else max(1, *codes)
+
+
 def _with_server(
-    args: argparse.Namespace, target: str, own: OwnServer | None, reference: str | None, info: IO[str]
+    args: argparse.Namespace,
+    target: str,
+    own: OwnServer | None,
+    reference: str | None,
+    info: IO[str],
+    node: str = "",
+    collect: list[dict[str, Any]] | None = None,
 ) -> int:
     from kvmem.client.admin import stats as fetch_stats
 
@@ -201,6 +256,8 @@ def _with_server(
         raise UsageError(f"the server's pool ({g.num_pages} pages of {g.page_size}) is too small to simulate on")
     spec = _spec(args, max_len)
     common = {"target": target, "auth_token": args.auth_token, "spec": spec, "run_id": secrets.token_hex(3)}
+    if stats.HasField("store"):  # the synthetic model's K/V, the same on every node for the same tokens
+        common.update(model_id=SYNTHETIC_MODEL_ID, fetch_wait_s=args.store_wait_ms / 1000)
     configs = [
         WorkerConfig(
             **common,
@@ -242,20 +299,35 @@ def _with_server(
     run = _run("kvmem", worker_main, configs, view, sample, lambda r: pool_line(r, total))
     result = _result(args, spec, server, run)
     try:
-        result["host_tier"] = host_tier(pool_stats())
+        last = pool_stats()
+        result["host_tier"] = host_tier(last)
+        if last.HasField("store"):
+            st = last.store
+            result["store"] = {
+                "kind": st.kind,
+                "reachable": bool(st.reachable),
+                "pages_written": int(st.pages_written),
+                "fetches": int(st.fetches),
+                "pages_found": int(st.pages_found),
+                "pages_read": int(st.pages_read),
+                "rejected": int(sum(st.rejected.values())),
+            }
     except KVMemError:
         result["host_tier"] = None
+    if node:
+        result["node"] = node
+        print(f"node {node}:", file=info)
     if run.finished and not (run.failures or run.errors) and reference is not None:
         result["baseline"], base = _baseline(args, configs, server, reference, view, info)
         if base.failures or base.errors:
             result["errors"] += [f"baseline {e}" for e in base.failures + base.errors]
             result["ok"] = False
-            return _report(args, run, result, info)
+            return _report(args, run, result, info, collect)
         result["comparison"] = {
             "pages_saved": result["baseline"]["peak_pages_held"] - result["pool"].get("peak_used_pages", 0),
             "prefill_tokens_saved": base.total("prefill_tokens") - run.total("prefill_tokens"),
         }
-    return _report(args, run, result, info)
+    return _report(args, run, result, info, collect)
 
 
 def _baseline(
@@ -338,10 +410,19 @@ def _result(args: argparse.Namespace, spec: WorkloadSpec, server: dict[str, Any]
     }
 
 
-def _report(args: argparse.Namespace, run: RunState, result: dict[str, Any], info: IO[str]) -> int:
+def _report(
+    args: argparse.Namespace,
+    run: RunState,
+    result: dict[str, Any],
+    info: IO[str],
+    collect: list[dict[str, Any]] | None = None,
+) -> int:
+    if collect is not None:  # --nodes 2: printed with the other node's
+        collect.append(result)
     if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        if collect is None:
+            json.dump(result, sys.stdout, indent=2)
+            sys.stdout.write("\n")
     else:
         lines = [
             f"kvmem simulate: {result['server']['target']}, {args.workers} workers on {APIS[args.api]} "

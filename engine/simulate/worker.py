@@ -70,6 +70,10 @@ class WorkerConfig:
     corrupt: bool = False
     api: str = "client"
     model: Callable[[KVMemory], Model] | None = None
+    # With a server that has a store (kvmem serve --store): the model id its keys are made for,
+    # and how long a request whose prefix that server is fetching is held for it.
+    model_id: str = ""
+    fetch_wait_s: float = 0.0
 
 
 def drive(
@@ -128,7 +132,9 @@ def worker_main(config: WorkerConfig, messages: Messages, go: Flag, stop: Flag) 
                 _run(CompatBackend(allocator), allocator.client, allocator.req_to_page, config, messages, go, stop)
             return
         name = f"simulate-{config.run_id}-w{config.worker}"
-        with KVMemClient(config.target, name=name, auth_token=config.auth_token, cache_namespace=NAMESPACE) as kv:
+        with KVMemClient(
+            config.target, name=name, auth_token=config.auth_token, cache_namespace=NAMESPACE, model_id=config.model_id
+        ) as kv:
             _run(KVMemBackend(kv), kv, kv.block_table, config, messages, go, stop)
     except BaseException as exc:  # reported to the command, which fails the run
         messages.put({"kind": "error", "worker": config.worker, "message": _describe(exc)})
@@ -160,6 +166,7 @@ def _run(
         chunk_tokens=config.chunk_tokens,
         read_back=model if isinstance(model, ReadBack) else None,
         corrupt=config.corrupt,
+        fetch_wait_s=config.fetch_wait_s,
     )
 
     def round_trips() -> dict[str, Any]:
@@ -196,4 +203,5 @@ def compat_allocator(config: WorkerConfig) -> KVAllocator:
         cache_namespace=NAMESPACE,
         auth_token=config.auth_token,
         request_id_prefix=f"w{config.worker}-i",
+        model_id=config.model_id,
     )
