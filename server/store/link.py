@@ -244,6 +244,11 @@ class StoreLink:
         if thread is not None:
             self._queue.put(None)
             thread.join(timeout=max(5.0, 2 * self.store.timeout_s))
+            if thread.is_alive():  # a call past its bound: closing under it could crash the process (Mooncake)
+                log.warning(
+                    "store: a call to %s did not return; leaving it to the process's exit", self.store.describe()
+                )
+                return
         self.store.close()
 
     def snapshot(self) -> dict[str, object]:
