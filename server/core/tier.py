@@ -119,10 +119,12 @@ class HostTier:
         self.num_dropped = 0  # evicted device pages the host could not take in their call
         self.hit_tokens = 0  # tokens matches took from the host
         # The cluster tier (kvmem serve --store; kvmem.server.store.link.StoreLink): host pages
-        # pinned until the store has them, and pages reserved for values being read from it.
+        # reserved for values being read from the store.
         self.link: Any = None
-        self.storing: collections.Counter[int] = collections.Counter()
         self.fetching: set[int] = set()
+        # Per host page, how often it was freed: the store's thread copies a page out and
+        # keeps the copy only if this did not change meanwhile (the page was not reused).
+        self.generation = np.zeros(num_pages, dtype=np.int64)
         self.num_fetched = 0  # pages the store gave (read, checked, installed)
 
     @property
@@ -240,17 +242,18 @@ class HostTier:
             image.host_lru[used] = np.arange(self._seq + 1, self._seq + 1 + len(used))
             self._seq += len(used)
         self.num_demoted += len(new)
-        if host and self.link is not None:  # to the store, from the host page (pinned until written)
-            self._offer(host, [keys[i] for i in new])
+        if host and self.link is not None:  # to the store, copied out of the host page by its thread
+            # parents first: a bounded queue that drops keeps chains' first pages (a chain is read from its start)
+            order = sorted(range(len(new)), key=lambda j: int(depths[new[j]]))
+            self._offer([host[j] for j in order], [keys[new[j]] for j in order])
 
     # ------------------------------------------------------------ the store (--store)
 
     def _offer(self, host: list[int], keys: list[bytes]) -> None:
-        """New host pages to the store's thread; those it takes stay pinned until written."""
-        taken = self.link.offer(host, keys)
-        if taken:
-            self.pin(host[:taken])
-            self.storing.update(host[:taken])
+        """New host pages to the store's thread, which copies each out unless it was
+        freed meanwhile (:attr:`generation`): nothing is pinned, so the LRU order and its
+        chains stay as they are."""
+        self.link.offer(host, keys, self.generation)
 
     def store_results(self, device_index: dict[bytes, int]) -> bool:
         """What the store's thread handed back since the last call: pages written
@@ -264,13 +267,6 @@ class HostTier:
             kind, item = results.popleft()
             if kind == "written":
                 self.link.writing -= len(item)
-                self.unpin(item)
-                storing = self.storing
-                for page in item:
-                    if storing[page] > 1:
-                        storing[page] -= 1
-                    else:
-                        del storing[page]
             elif kind == "found":
                 self._reserve(item)
                 changed = True
@@ -343,6 +339,7 @@ class HostTier:
         """``page`` is free (its image flag cleared before anyone can reuse it)."""
         if self.image is not None:
             self.image.host_cached[page] = False
+        self.generation[page] += 1
         self._free.append(page)
 
     def _write_facts(
@@ -454,6 +451,7 @@ class HostTier:
             del index[key]
         if self.image is not None:  # their flags cleared before anyone can reuse them: one scatter
             self.image.host_cached[at] = False
+        self.generation[at] += 1
         self._free += pages
         self.num_evicted += short
         self.events.append(PagesRemoved(gone, HOST))
@@ -564,7 +562,7 @@ class HostTier:
         if lru | pinned != cached or lru & pinned:
             problems.append("host tier: the LRU order and the pinned pages do not cover the cached pages once each")
         in_copy = [h for host, _, _ in self.loading.values() for h in host]
-        if len(in_copy) != self.num_loading_pages or self._pinned != collections.Counter(in_copy) + self.storing:
+        if len(in_copy) != self.num_loading_pages or self._pinned != collections.Counter(in_copy):
             problems.append(
                 f"host tier: {len(in_copy)} pages in copy ({self.num_loading_pages} by the count), "
                 f"{len(self._pinned)} pinned (between calls, exactly the pages in copy are)"

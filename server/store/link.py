@@ -6,19 +6,20 @@ The core's host tier (on the event loop's thread) talks to it through two queues
 * **to the thread** (:meth:`StoreLink.events`, :meth:`StoreLink.offer`,
   :meth:`StoreLink.want`, :meth:`StoreLink.reserved`): the cache's events (from them the
   thread keeps each cached page's store digest: :mod:`kvmem.server.store.value`, a
-  SHA-256 chain over the tokens, whatever the local prefix hash), host pages to write
-  (pinned by the tier until written), matches whose prefix continues past what the node
-  holds, and the host pages the tier reserved for a fetch;
+  SHA-256 chain over the tokens, whatever the local prefix hash), host pages to write,
+  matches whose prefix continues past what the node holds, and the host pages the tier
+  reserved for a fetch;
 * **back** (:attr:`StoreLink.results`, then :attr:`StoreLink.notify` wakes the loop):
-  pages written (the tier unpins them), fetches that found pages in the store (the tier
+  pages written (counted off the write bound), fetches that found pages in the store (the tier
   reserves host pages for them), and fetches read and checked (the tier installs the
   valid pages into its index, a chain's pages in order, and frees the rest).
 
 **Write path.** A page the host tier takes (write-through with a store: as it is cached)
-is offered; when the pages pinned for writing reach the bound, an offer is dropped and
-counted: the Step never waits. The thread writes batches from the host pages with no
-copy where the store reads registered memory (a header per rank from a buffer of its
-own).
+is offered, parents first; past the bound of pages waiting, an offer is dropped and
+counted: the Step never waits. Nothing is pinned: the thread copies each page out of
+the host tier into a staging buffer and keeps the copy only if the tier did not free
+the page meanwhile (its generation: a page freed may be reused), then writes the run in
+one batch (from registered memory with no further copy where the store reads it).
 
 **Read path.** A match whose pages end on this node before its prompt's last full page
 asks for the continuation (:meth:`StoreLink.want`): the thread asks the store which of
@@ -55,6 +56,7 @@ log = logging.getLogger("kvmem.server.store")
 
 _BACKOFF_S = (0.1, 5.0)
 ABSENT_S = 2.0  # how long a key the store lacked is not asked for again
+STAGING_BYTES = 64 << 20  # per rank: the pages of one write run, copied out of the host tier
 _DEVICE, _HOST = 1, 2  # where a cached key is (a bit each): the events' medium
 
 
@@ -140,6 +142,8 @@ class StoreLink:
         self.notify: Callable[[], None] | None = None
         self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._pending: list[tuple[str, Any]] = []  # a call's writes and fetches, sent after its events (flush)
+        self._idle = threading.Condition()
+        self._jobs = 0  # sent and not done (wait_idle)
         self._thread: threading.Thread | None = None
         self._stopping = False
         # The thread's: each cached key's digest, where it is (device, host bits) and its parent.
@@ -151,8 +155,12 @@ class StoreLink:
         self._roots: dict[str, bytes] = {}
         self._fetch_ms: collections.deque[float] = collections.deque(maxlen=1024)
         self._said: set[str] = set()  # reasons logged once
-        # Header buffers per rank: one per page of a batch being written, one per page read.
-        self._headers_out = [np.zeros((max_writes, value.HEADER_BYTES), dtype=np.uint8) for _ in range(ranks)]
+        # Writes go in runs: each page copied out to a staging buffer per rank (so a page the
+        # tier reuses meanwhile is never sent), a header per page beside it; one per page read.
+        self._span = max(1, min(64, max_writes, STAGING_BYTES // geometry.page_bytes))
+        self._stage = [np.zeros((self._span, geometry.page_bytes), dtype=np.uint8) for _ in range(ranks)]
+        self._generation = np.zeros(0, dtype=np.int64)  # the tier's (offer gives it)
+        self._headers_out = [np.zeros((self._span, value.HEADER_BYTES), dtype=np.uint8) for _ in range(ranks)]
         self._headers_in = [np.zeros((max_fetch_pages, value.HEADER_BYTES), dtype=np.uint8) for _ in range(ranks)]
 
     # ------------------------------------------------------------ the loop's side
@@ -167,7 +175,7 @@ class StoreLink:
         made from then on); another later is refused: returns why (None: accepted)."""
         if self.model_id is None:
             self.model_id = model_id
-            self._queue.put(("model", model_id))
+            self._send(("model", model_id))
             return None
         if model_id != self.model_id:
             return (
@@ -181,15 +189,17 @@ class StoreLink:
         the digests from them), then the writes and fetches it asked for, in that order
         (a write's digest comes from the events of the call that cached it)."""
         if events:
-            self._queue.put(("events", events))
+            self._send(("events", events))
         pending, self._pending = self._pending, []
         for job in pending:
-            self._queue.put(job)
+            self._send(job)
 
-    def offer(self, host_pages: list[int], keys: list[bytes]) -> int:
-        """Pages the host tier just took (their bytes in ``host_pages``): how many of the
-        first ones the thread will write (the tier pins those until :attr:`results`
-        hands them back); the rest are dropped and counted. O(1)."""
+    def offer(self, host_pages: list[int], keys: list[bytes], generation: np.ndarray) -> int:
+        """Pages the host tier just took (their bytes in ``host_pages``, parents first):
+        how many of the first ones the thread will write; the rest are dropped and
+        counted. ``generation``: the tier's count of frees per host page (live): the
+        thread copies a page out and keeps the copy only if its count is still the one
+        of now (else the page was freed, maybe reused: not written). O(pages)."""
         if self.model_id is None:
             return 0
         room = self.max_writes - self.writing
@@ -200,7 +210,8 @@ class StoreLink:
             self.counters.write_dropped += len(host_pages) - n
         if n:
             self.writing += n
-            self._pending.append(("write", (host_pages[:n], keys[:n])))
+            self._generation = generation
+            self._pending.append(("write", (host_pages[:n], keys[:n], generation[host_pages[:n]].copy())))
         return n
 
     def want(
@@ -235,7 +246,7 @@ class StoreLink:
 
     def reserved(self, fetch: Fetch) -> None:
         """The tier reserved ``fetch.host`` (maybe fewer pages than found, maybe none)."""
-        self._queue.put(("read", fetch))
+        self._send(("read", fetch))
 
     def close(self) -> None:
         """Stop the thread (a call in flight is abandoned after its timeout) and close the store."""
@@ -286,6 +297,18 @@ class StoreLink:
         p50, p99 = np.percentile(recent, [50, 99]).tolist()
         return p50, p99
 
+    def _send(self, job: tuple[str, Any]) -> None:
+        with self._idle:
+            self._jobs += 1
+        self._queue.put(job)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the thread has done every job sent so far (tests and tools: what it hands
+        back is then in :attr:`results`, for the tier to take)."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._jobs == 0, timeout):
+                raise TimeoutError(f"the store thread still has {self._jobs} job(s) after {timeout:.0f} s")
+
     def _back(self, kind: str, item: Any) -> None:
         self.results.append((kind, item))
         notify = self.notify
@@ -320,11 +343,16 @@ class StoreLink:
             except Exception:  # a bug: logged, the job handed back so no page stays pinned
                 log.exception("store: %s failed", kind)
                 self._abandon(kind, item)
+            finally:
+                with self._idle:
+                    self._jobs -= 1
+                    self._idle.notify_all()
 
     def _connect(self) -> bool:
         try:
             self.store.connect()
-            self.store.register([*self._host_buffers, *self._headers_out, *self._headers_in])
+            buffers = [*self._host_buffers, *self._stage, *self._headers_out, *self._headers_in]
+            self.store.register([b.reshape(-1) for b in buffers])
         except StoreError as exc:
             self._failed(exc)
             return False
@@ -401,31 +429,49 @@ class StoreLink:
             got = self._roots[namespace] = value.root(self._codecs[0].fingerprint.digest, namespace)
         return got
 
-    def _on_write(self, item: tuple[list[int], list[bytes]]) -> None:
-        pages, keys = item
+    def _on_write(self, item: tuple[list[int], list[bytes], np.ndarray]) -> None:
+        """Write pages from the host tier, in runs of the staging buffer: each page copied
+        out first, kept only if the tier did not free it meanwhile (its generation), then
+        its header made and the run put in one batch per rank."""
+        pages, keys, gens = item
         try:
-            digests = [self._digest.get(k) for k in keys]
-            known = [i for i, d in enumerate(digests) if d is not None]
-            if known and self._codecs:
-                for rank, codec in enumerate(self._codecs):
-                    headers = self._headers_out[rank]
-                    names, values = [], []
-                    for j, i in enumerate(known):
-                        payload = self._page(pages[i], rank)
-                        d = digests[i]
-                        assert d is not None
-                        codec.header(d, payload, headers[j])
-                        names.append(value.key_of(d) + (f"/{rank}" if self.ranks > 1 else ""))
-                        values.append([headers[j].data, payload.data.cast("B")])
-                    stored = self.store.put(names, values)
-                    if rank == 0:
-                        n = sum(stored)
-                        self.counters.pages_written += n
-                        self.counters.write_failed += len(stored) - n
-                    self.counters.bytes_written += sum(stored) * (value.HEADER_BYTES + self.geometry.page_bytes)
-            self.counters.write_dropped += len(keys) - len(known)  # no digest: a parent the thread never saw
+            for lo in range(0, len(pages), self._span):
+                self._write_run(pages[lo : lo + self._span], keys[lo : lo + self._span], gens[lo : lo + self._span])
         finally:
             self._back("written", pages)
+
+    def _write_run(self, pages: list[int], keys: list[bytes], gens: np.ndarray) -> None:
+        c = self.counters
+        digests = [self._digest.get(k) for k in keys]
+        generation = self._generation
+        at = np.array(pages, dtype=np.intp)
+        ok = [i for i, d in enumerate(digests) if d is not None]
+        c.write_dropped += len(keys) - len(ok)  # no digest: a parent the thread never saw
+        ok = [i for i in ok if generation[at[i]] == gens[i]]
+        if not ok or not self._codecs:
+            return
+        for rank in range(self.ranks):
+            stage = self._stage[rank]
+            for j, i in enumerate(ok):
+                stage[j] = self._page(pages[i], rank).reshape(-1)
+        kept = [j for j, i in enumerate(ok) if generation[at[i]] == gens[i]]  # not freed while copied
+        c.write_dropped += len(ok) - len(kept)
+        if not kept:
+            return
+        for rank, codec in enumerate(self._codecs):
+            headers, stage = self._headers_out[rank], self._stage[rank]
+            names, values = [], []
+            for j in kept:
+                d = digests[ok[j]]
+                assert d is not None
+                codec.header(d, stage[j], headers[j])
+                names.append(value.key_of(d) + (f"/{rank}" if self.ranks > 1 else ""))
+                values.append([headers[j].data, stage[j].data])
+            stored = self.store.put(names, values)
+            if rank == 0:
+                c.pages_written += sum(stored)
+                c.write_failed += len(stored) - sum(stored)
+            c.bytes_written += sum(stored) * (value.HEADER_BYTES + self.geometry.page_bytes)
 
     def _names(self, digests: list[bytes], rank: int) -> list[str]:
         suffix = f"/{rank}" if self.ranks > 1 else ""
