@@ -130,7 +130,27 @@ def health(args: argparse.Namespace) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     what = "readiness" if args.service else "liveness"
     print(f"{what} ({args.service or '<server>'}): {status}")
+    if args.service and resp.status == health_pb2.HealthCheckResponse.SERVING:
+        _store_detail(args)
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _store_detail(args: argparse.Namespace) -> None:
+    """A ready server with a store (``kvmem serve --store``): one more line saying
+    whether the store answers. Never changes the exit status: a store that is down only
+    makes matches miss. Nothing when Stats cannot be read (e.g. a token is needed)."""
+    from kvmem.client.admin import stats as fetch_stats
+    from kvmem.client.errors import KVMemError
+
+    try:
+        s = fetch_stats(_target(args), timeout=args.timeout, auth_token=getattr(args, "auth_token", None), **_tls(args))
+    except KVMemError:
+        return
+    if not s.HasField("store"):
+        return
+    st = s.store
+    state = "reachable" if st.reachable else f"UNREACHABLE ({st.last_error}; reconnecting with backoff)"
+    print(f"store ({st.kind} {st.url}): {state}; matches miss it while it is down, the server stays ready")
 
 
 def stats(args: argparse.Namespace) -> int:

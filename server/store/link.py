@@ -56,6 +56,7 @@ log = logging.getLogger("kvmem.server.store")
 
 _BACKOFF_S = (0.1, 5.0)
 ABSENT_S = 2.0  # how long a key the store lacked is not asked for again
+PING_S = 2.0  # an idle store thread asks the store this often whether it answers
 STAGING_BYTES = 64 << 20  # per rank: the pages of one write run, copied out of the host tier
 _DEVICE, _HOST = 1, 2  # where a cached key is (a bit each): the events' medium
 
@@ -328,9 +329,11 @@ class StoreLink:
                     next_try = time.monotonic() + backoff
                     backoff = min(backoff * 2, _BACKOFF_S[1])
             try:
-                timeout = None if self.counters.reachable else max(0.01, next_try - time.monotonic())
+                timeout = PING_S if self.counters.reachable else max(0.01, next_try - time.monotonic())
                 job = self._queue.get(timeout=timeout)
             except queue.Empty:
+                if self.counters.reachable and not self._stopping:
+                    self._ping()
                 continue
             if job is None:
                 return
@@ -347,6 +350,14 @@ class StoreLink:
                 with self._idle:
                     self._jobs -= 1
                     self._idle.notify_all()
+
+    def _ping(self) -> None:
+        """An idle store is asked about one key now and then, so that ``reachable`` (stats,
+        metrics, ``kvmem health``) says what the store is now, not at the last write."""
+        try:
+            self.store.exists(["kvmem/ping"])
+        except StoreError as exc:
+            self._failed(exc)
 
     def _connect(self) -> bool:
         try:

@@ -281,6 +281,7 @@ def test_store_redis_killed_the_server_stays_ready_and_reconnects_when_it_is_bac
                 text=True, timeout=60,
             )  # fmt: skip
             assert health.returncode == 0 and "SERVING" in health.stdout, health.stdout + health.stderr
+            assert "): UNREACHABLE (" in health.stdout and "the server stays ready" in health.stdout, health.stdout
 
             redis_server.start()  # the same port: the thread reconnects on its own (backoff at most 5 s)
             st = store_when(kv, "reconnected", lambda s: s.reachable, timeout=15)
