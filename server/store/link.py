@@ -267,13 +267,16 @@ class StoreLink:
         """The figures of proto ``StoreStats``, by its field names (read on the loop)."""
         c = self.counters
         p50, p99 = self.fetch_stats()
+        error = c.last_error
+        if self._thread is not None and not self._thread.is_alive():  # a bug killed it: never silent
+            error = "the store thread is not running (a bug: see the server's log); nothing is written or fetched"
         return {
             "url": self.store.url.redacted(),
             "kind": self.store.name,
             "reachable": c.reachable,
             "connects": c.connects,
             "failures": c.failures,
-            "last_error": c.last_error,
+            "last_error": error,
             "model_id": self.model_id or "",
             "pages_written": c.pages_written,
             "bytes_written": c.bytes_written,
@@ -319,6 +322,13 @@ class StoreLink:
     # ------------------------------------------------------------ the thread's side
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            log.exception("store: the store thread stopped; nothing is written to or fetched from the store")
+            raise
+
+    def _loop(self) -> None:
         backoff = _BACKOFF_S[0]
         next_try = 0.0
         while True:

@@ -197,3 +197,28 @@ def test_tier_bench_runs_its_in_process_parts() -> None:
     assert report["decode_step_tier_idle_vs_off"] > 0, report
     assert 0 < report["load_step_ms"] < report["load_step_and_copy_ms"], report  # it answers before its copy ends
     assert report["cache_step_keep_state_vs_off"] > 0 and report["demote_step_keep_state_vs_off"] > 0, report
+
+
+@pytest.mark.timeout(240)
+def test_store_bench_runs_its_in_process_parts() -> None:
+    """The quick run of kvmem's fetch against each store's own client (Redis, the
+    cluster, Mooncake: the bench starts them; every page read back checked) and the
+    decode Step with an idle store link (the parts that start no kvmem server); a store
+    not installed here is "not measured", saying why. The two-node parts are the full
+    run's."""
+    report = run_bench("store_bench.py", "--quick", "--parts", "fetch,step", timeout=230)
+    stores = report["stores"]
+    assert set(stores) == {"redis", "cluster", "mooncake"}, stores
+    for name, figures in stores.items():
+        if figures["fetch_vs_store_client"] is None:  # its binary or client is missing here
+            assert figures["not_measured"]["fetch"], figures
+            continue
+        assert figures["fetch_vs_store_client"] > 0 and figures["fetch_ms"] > 0, (name, figures)
+        assert figures["run4_vs_page_read"] > 0, (name, figures)
+        assert figures["zero_copy"] == (name == "mooncake"), (name, figures)  # Mooncake reads into the pages
+        if name == "mooncake":  # what reading a value into two buffers (header, page) costs its client
+            assert figures["split_vs_whole_read"] > 0, figures
+    step = stores["redis"]["decode_step_store_idle_vs_off"]
+    assert step is None or step > 0, stores["redis"]
+    measured = [f["fetch_vs_store_client"] for f in stores.values() if f["fetch_vs_store_client"] is not None]
+    assert report.get("fetch_vs_store_client") == (min(measured) if measured else None), report  # the worst store's
