@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import IO
+from typing import IO, Any
 
 READINESS = "kvmem.v1.KVMemory"
 OWN_PAGE_SIZE = 16
@@ -149,3 +149,22 @@ def own_server_argv(args: argparse.Namespace) -> list[str]:
         tier += ["--host-write-policy", args.host_write_policy]
     tier += ["--store", store] if store else []
     return ["serve", "--device", args.device, *sizes.split(), *tier, "--log-level", "warning"]
+
+
+def store_summary(stats: Any) -> dict[str, Any] | None:
+    """A server's store (``kvmem serve --store``) from its StatsResponse, for a report
+    (None: it has none): kind, reachable, pages written, fetches, pages found and read,
+    values refused, fetch p50."""
+    if not stats.HasField("store"):
+        return None
+    st = stats.store
+    return {
+        "kind": st.kind,
+        "reachable": bool(st.reachable),
+        "pages_written": int(st.pages_written),
+        "fetches": int(st.fetches),
+        "pages_found": int(st.pages_found),
+        "pages_read": int(st.pages_read),
+        "rejected": int(sum(st.rejected.values())),
+        "fetch_ms_p50": round(st.fetch_ms_p50, 3),
+    }

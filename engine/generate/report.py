@@ -11,6 +11,8 @@ import statistics
 import sys
 from typing import IO, Any
 
+from ..server_process import store_summary
+
 __all__ = ["report"]
 
 
@@ -140,19 +142,10 @@ def report(
             "load_ms_p50": round(h.load_ms_p50, 3),
             "load_held": sum(int(w["figures"].get("load_held", 0)) for w in workers),
         }
-    if pool.HasField("store"):
-        st = pool.store
-        result["store"] = {
-            "kind": st.kind,
-            "reachable": bool(st.reachable),
-            "pages_written": int(st.pages_written),
-            "fetches": int(st.fetches),
-            "pages_found": int(st.pages_found),
-            "pages_read": int(st.pages_read),
-            "rejected": int(sum(st.rejected.values())),
-            "held": sum(int(w["figures"].get("fetch_held", 0)) for w in workers),
-            "fetch_ms_p50": round(st.fetch_ms_p50, 3),
-        }
+    store = store_summary(pool)
+    if store is not None:
+        store["held"] = sum(int(w["figures"].get("fetch_held", 0)) for w in workers)
+        result["store"] = store
     first = [c["ttft_s"] for c in completions if "ttft_s" in c]
     result["ttft_p50_ms"] = round(1e3 * statistics.median(first), 3) if first else 0.0
     result["matched_tokens"] = sum(c["matched_tokens"] for c in completions)

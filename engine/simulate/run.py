@@ -27,7 +27,7 @@ from typing import IO, Any
 from kvmem.client.errors import KVMemError
 
 from ..process import join
-from ..server_process import OwnServer, UsageError, own_server_argv, server_for
+from ..server_process import OwnServer, UsageError, own_server_argv, server_for, store_summary
 from .reference import ReferenceMissing
 from .report import (
     LiveView,
@@ -301,17 +301,7 @@ def _with_server(
     try:
         last = pool_stats()
         result["host_tier"] = host_tier(last)
-        if last.HasField("store"):
-            st = last.store
-            result["store"] = {
-                "kind": st.kind,
-                "reachable": bool(st.reachable),
-                "pages_written": int(st.pages_written),
-                "fetches": int(st.fetches),
-                "pages_found": int(st.pages_found),
-                "pages_read": int(st.pages_read),
-                "rejected": int(sum(st.rejected.values())),
-            }
+        result["store"] = store_summary(last)
     except KVMemError:
         result["host_tier"] = None
     if node:

@@ -132,6 +132,23 @@ def _userinfo(text: str) -> tuple[str, str, str] | None:
 Parts = Sequence[memoryview]  # one value: the concatenation of these, in order
 
 
+def total_bytes(parts: Parts) -> int:
+    """A value's size: its parts' bytes."""
+    return sum(part.nbytes for part in parts)
+
+
+def scatter(value: bytes, parts: Parts) -> None:
+    """Copy ``value`` (exactly the parts' total size) into the parts, in order (what an
+    adapter whose client returns bytes does for :meth:`Store.get_into`)."""
+    source = np.frombuffer(value, dtype=np.uint8)
+    offset = 0
+    for part in parts:
+        n = part.nbytes
+        if n:
+            np.frombuffer(part, dtype=np.uint8)[:] = source[offset : offset + n]
+        offset += n
+
+
 class Store(abc.ABC):
     """One store, as the server's store thread uses it (never the event loop: every
     call may block up to ``timeout_s``). Not thread-safe: one thread calls it.

@@ -60,7 +60,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvmem.server.memory.geometry import GeometryError, parse_size
-from kvmem.server.store.base import SCHEMES, Parts, Store, StoreError, StoreURL, StoreURLError
+from kvmem.server.store.base import (
+    SCHEMES,
+    Parts,
+    Store,
+    StoreError,
+    StoreURL,
+    StoreURLError,
+    scatter,
+    total_bytes,
+)
 
 try:
     from mooncake.store import MooncakeDistributedStore
@@ -330,8 +339,8 @@ class MooncakeStore(Store):
             for i, blob in zip(copied, blobs, strict=True):
                 if not blob:
                     continue  # missing (get_batch answers b"" for a miss, and for a master it cannot reach)
-                if len(blob) == _total(values[i]):
-                    _scatter(blob, values[i])
+                if len(blob) == total_bytes(values[i]):
+                    scatter(blob, values[i])
                 sizes[i] = len(blob)
             if all(sizes[i] < 0 for i in copied):
                 # Every key came back empty (a miss, or a master get_batch could not reach):
@@ -349,7 +358,7 @@ class MooncakeStore(Store):
             size = client.get_size(keys[i])
             if size in UNREACHABLE:
                 break  # the master went away meanwhile: the rest stay misses
-            if size >= 0 and size != _total(values[i]):
+            if size >= 0 and size != total_bytes(values[i]):
                 sizes[i] = size  # reported, never copied: the caller rejects it
         return sizes
 
@@ -361,21 +370,6 @@ def _size(query: dict[str, str], name: str, default: int, where: str) -> int:
         return parse_size(query[name], f"{name}=")
     except GeometryError as exc:
         raise StoreURLError(f"{where}: {exc}") from None
-
-
-def _total(parts: Parts) -> int:
-    return sum(part.nbytes for part in parts)
-
-
-def _scatter(value: bytes, parts: Parts) -> None:
-    """Copy ``value`` (exactly the parts' total size) into the parts, in order."""
-    source = np.frombuffer(value, dtype=np.uint8)
-    offset = 0
-    for part in parts:
-        n = part.nbytes
-        if n:
-            np.frombuffer(part, dtype=np.uint8)[:] = source[offset : offset + n]
-        offset += n
 
 
 Spans = tuple[list[int], list[int]]  # a value's parts' addresses and sizes

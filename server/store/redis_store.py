@@ -22,9 +22,16 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
-from kvmem.server.store.base import SCHEMES, Parts, Store, StoreError, StoreURL, StoreURLError
+from kvmem.server.store.base import (
+    SCHEMES,
+    Parts,
+    Store,
+    StoreError,
+    StoreURL,
+    StoreURLError,
+    scatter,
+    total_bytes,
+)
 
 try:
     import redis
@@ -85,21 +92,6 @@ def _db(url: StoreURL) -> int:
     if not text.isdigit():
         raise StoreURLError(f"--store {url.redacted()!r}: the path names the database, a number, got {url.path!r}")
     return int(text)
-
-
-def _total(parts: Parts) -> int:
-    return sum(part.nbytes for part in parts)
-
-
-def _scatter(value: bytes, parts: Parts) -> None:
-    """Copy ``value`` (exactly the parts' total size) into the parts, in order."""
-    source = np.frombuffer(value, dtype=np.uint8)
-    offset = 0
-    for part in parts:
-        n = part.nbytes
-        if n:
-            np.frombuffer(part, dtype=np.uint8)[:] = source[offset : offset + n]
-        offset += n
 
 
 class RedisStore(Store):
@@ -334,8 +326,8 @@ def _copy_into(found: Sequence[object], values: Sequence[Parts]) -> list[int]:
         if not isinstance(value, bytes):
             sizes.append(-1)
             continue
-        if len(value) == _total(parts):
-            _scatter(value, parts)
+        if len(value) == total_bytes(parts):
+            scatter(value, parts)
         sizes.append(len(value))
     return sizes
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_tier_properties import BASES, patterns  # the host tier's property test: its prompts, its K/V
 
 from kvmem.client.loads import PageLoads
 from kvmem.server.core import AllocStatus, CoreConfig, KVCore, StepBatch
@@ -37,16 +38,6 @@ from kvmem.server.store.value import HEADER_BYTES
 
 PS = 2
 GEOMETRY = KVGeometry("mha", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", page_size=PS)
-BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 50, 51, 52, 53], [60, 61, 62, 63, 64, 65]]
-
-
-def patterns(tokens: list[int], start: int, planes: int, width: int) -> np.ndarray:
-    """``[planes, len(tokens), width]``: what a model writes for each token at its
-    position in each plane (the same on every node)."""
-    tok = np.asarray(tokens, dtype=np.int64)[None, :, None]
-    pos = (start + np.arange(len(tokens), dtype=np.int64))[None, :, None]
-    plane = np.arange(planes, dtype=np.int64)[:, None, None]
-    return ((np.arange(width)[None, None, :] * 3 + tok * 17 + pos * 5 + plane * 29) % 251).astype(np.uint8)
 
 
 class ModelStore(Store):
