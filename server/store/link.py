@@ -544,6 +544,8 @@ class StoreLink:
                     reason = codec.check(fetch.digests[j], size, headers[j], payloads[j])
                     if reason is not None:
                         self._reject(reason, fetch.digests[j])
+                        # as good as absent: a match of this prefix soon after is not held for it again
+                        self._absent[fetch.keys[j]] = time.monotonic() + ABSENT_S
                         valid = j
                         break
                     if rank == 0:
