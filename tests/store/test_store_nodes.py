@@ -568,14 +568,11 @@ def test_store_the_tiny_llama_on_node_b_computes_after_node_as_prefix_as_from_sc
 # ----------------------------------------------------------------- 3. SmolLM2 through kvmem generate
 
 
-def test_store_redis_smollm2_completions_through_node_b_equal_generate(redis_module: Any) -> None:
-    """``kvmem generate --nodes 2``: two servers on one Redis, the prompts on node A,
-    then on node B, whose matches read node A's system-prompt pages from the store;
-    every completion equals transformers' ``generate()``. Redis only: the run costs about
-    half a minute on 2 cores (SmolLM2 loaded and checked on each node), and what it adds
-    to the tiny Llama's test above is the engine's holding of a fetching request
-    (``--store-wait-ms``), which does not depend on the store; the stores' own paths are
-    covered for each store by the tests above."""
+def test_store_smollm2_completions_through_node_b_equal_generate(store: StoreUnderTest) -> None:
+    """``kvmem generate --nodes 2``: two servers on one store, the prompts on node A,
+    then on node B, whose matches read node A's system-prompt pages from the store
+    (the engine holding a fetching request, ``--store-wait-ms``); every completion
+    equals transformers' ``generate()``. About half a minute a store on 2 cores."""
     from kvmem.engine.generate import models
 
     if models.bundled_gguf() is None:
@@ -597,7 +594,7 @@ def test_store_redis_smollm2_completions_through_node_b_equal_generate(redis_mod
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_")}
     run = subprocess.run(
-        [sys.executable, "-m", "kvmem.cli", "generate", "--nodes", "2", "--store", redis_module.url, "--prompts",
+        [sys.executable, "-m", "kvmem.cli", "generate", "--nodes", "2", "--store", store.url, "--prompts",
          str(prompts), "--max-new-tokens", "4", "--workers", "1", "--json", "--socket",
          os.path.join(directory, "none.sock")],
         capture_output=True, text=True, timeout=240, env=env,
