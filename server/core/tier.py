@@ -257,7 +257,7 @@ class HostTier:
 
     def store_results(self, device_index: dict[bytes, int]) -> bool:
         """What the store's thread handed back since the last call: pages written
-        (unpinned), fetches the store has pages for (host pages reserved, sent to be
+        (counted off the write bound), fetches the store has pages for (host pages reserved, sent to be
         read), fetches read and checked (their valid pages installed: a chain's first
         pages, while the page before them is cached on a tier). Whether anything
         changed. O(pages)."""
