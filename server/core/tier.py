@@ -327,6 +327,7 @@ class HostTier:
         for page in host:
             if page not in taken:
                 self._release(page)
+        self.link.landed(fetch)
 
     def _used(self, page: int) -> None:
         """``page`` is the most recently used (the LRU order's end; the image's clock)."""

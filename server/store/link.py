@@ -249,6 +249,11 @@ class StoreLink:
         """The tier reserved ``fetch.host`` (maybe fewer pages than found, maybe none)."""
         self._send(("read", fetch))
 
+    def landed(self, fetch: Fetch) -> None:
+        """The tier installed (or freed) a fetch's pages: its keys are no longer in flight.
+        On the loop, after the install, so that no match sees them neither cached nor fetching."""
+        self._fetching.difference_update(fetch.keys[: fetch.found])
+
     def close(self) -> None:
         """Stop the thread (a call in flight is abandoned after its timeout) and close the store."""
         self._stopping = True
@@ -555,7 +560,8 @@ class StoreLink:
             if n:
                 self._fetch_ms.append(1000 * (time.perf_counter() - fetch.started))
         finally:
-            self._fetching.difference_update(fetch.keys)
+            # its keys stay in flight until the tier has installed its pages (:meth:`landed`): a
+            # match in between would otherwise find them neither local nor fetching, and read them again
             self._back("fetched", fetch)
 
     def _reject(self, reason: str, digest: bytes) -> None:

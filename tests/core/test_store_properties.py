@@ -223,3 +223,46 @@ def test_store_random_interleavings_on_two_nodes_never_load_a_lost_or_corrupted_
     finally:
         for n in nodes:
             n.close()
+
+
+def test_store_a_fetch_read_but_not_yet_installed_is_still_in_flight_for_a_second_match() -> None:
+    """The window between the store thread's read and the loop's install: a match then
+    (the scheduler holding the request matches it again) is told the pages are still being
+    fetched and asks the store nothing; they are read once. (The thread used to mark them
+    done before handing them back, and a match in that moment fetched them a second time.)"""
+    store = ModelStore()
+    a, b = Node(store, 8, 16), Node(store, 8, 16)  # fetches of up to 4 pages
+    try:
+        toks = BASES[0][:9]  # 4 full pages
+        a.start(toks, True)
+        a.settle()
+        assert a.link.counters.pages_written == 4
+
+        def match() -> tuple[int, int]:
+            (slot,) = b.core.open(b.owner, [f"m{b.n}"]).tolist()
+            b.n += 1
+            r = b.core.step(b.owner, StepBatch.of(match=[(slot, toks, len(toks) - 1)]))
+            b.core.step(b.owner, StepBatch.of(release_slots=[slot]))
+            return int(r.match_lens[0]), int(r.match_fetching[0])
+
+        assert match() == (0, 8)  # asked: all of it, not known yet
+        b.link.wait_idle()  # the store has 4 pages
+        b.core.finish_loads()  # host pages reserved, the read sent
+        b.link.wait_idle()  # read and checked: handed back, not installed yet
+        held = list(b.link.results)
+        assert [k for k, _ in held] == ["fetched"]
+        b.link.results.clear()  # a Step in the moment before the loop takes it
+        fetches = b.link.counters.fetches
+        assert match() == (0, 8)
+        b.link.wait_idle()
+        assert b.link.counters.fetches == fetches  # nothing asked again
+        b.link.results.extend(held)
+        b.settle()
+        matched, fetching = match()
+        assert (matched, fetching) == (8, 0)
+        assert b.link.counters.pages_read == 4
+        b.settle()
+        assert b.core.audit().ok
+    finally:
+        a.close()
+        b.close()
