@@ -178,7 +178,7 @@ class SimAPI:
     def figures(self, sched: Any) -> dict[str, Any]:
         if self.current:
             f = sched.figures
-            steps, finished = f.iterations, f.finished
+            steps, finished = f.iterations + f.top_ups, f.finished
         else:
             f = sched.counters
             steps, finished = f.steps, f.done

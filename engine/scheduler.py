@@ -14,8 +14,13 @@ forward pass of the model (a :class:`~.forward.Model`):
    budget: every decode first (1 token, or 1 + its drafts), then the next chunk of each
    prefilling request, then adopted requests and new ones, each new one matched against
    the prefix cache (all but its last token at most: one is always computed) with its
-   first chunk allocated in the same Step (the need counts from 0);
-2. **send** the Step, its columns int32 arrays (the client's bytes fast path);
+   first chunk allocated in the same Step (the need counts from 0); a new request is
+   charged its whole prompt, its match not known yet;
+2. **send** the Step, its columns int32 arrays (the client's bytes fast path); when its
+   answer shows that admissions' matches (or holds for the store) left part of the
+   budget and requests wait, a **top-up** Step admits more into what is left (at most
+   :data:`MAX_TOP_UPS`; their tokens join the same forward), so a prefix hit costs
+   neither the forward's tokens nor the queue's time;
 3. **apply** the answer (:meth:`Scheduler._apply`), the one place requests change on
    it: releases done, truncates, caches, matches, adoptions, hand-offs, each alloc's
    token slots; a Step that raised changed nothing here, so the iteration can be
@@ -38,7 +43,6 @@ the hand-off policy (:class:`~.handoff.Moves`); the loop is this one.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -50,11 +54,13 @@ from .forward import Admission, BatchBuilder, ForwardBatch, ForwardOutput, Model
 from .handoff import Moves
 from .loading import Loads, held_for_store
 from .request import Request, pack, unpack
+from .steps import EMPTY as _EMPTY
+from .steps import Figures, Policy, Steps
 
-__all__ = ["Figures", "Policy", "Scheduler"]
+__all__ = ["MAX_TOP_UPS", "Figures", "Policy", "Scheduler"]
 
-_EMPTY = np.zeros(0, dtype=np.int32)
-_EMPTY.flags.writeable = False  # shared: a plan's empty column, a decode's no drafts
+MAX_TOP_UPS = 8  # top-up Steps an iteration may send after its Step (see Scheduler.iteration)
+
 # Per request in a forward pass: (request, tokens, samples, drafts, decode). A decode
 # computes a sampled token of a request already running (one, or one and its drafts);
 # the rest is prefill: prompt tokens (the last one too, alone in its chunk), and what an
@@ -62,120 +68,23 @@ _EMPTY.flags.writeable = False  # shared: a plan's empty column, a decode's no d
 _Computing = tuple["Request", int, int, int, bool]
 
 
-@dataclasses.dataclass(slots=True)
-class Figures:
-    """One scheduler's figures (cumulative): iterations (Steps) and the seconds in
-    them, in Opens and in forwards; requests arrived and finished; preemptions, allocs
-    answered ``OUT_OF_PAGES``, admissions put off for want of a request slot; tokens
-    queried against the prefix cache and matched; prefill and decode tokens computed;
-    drafts proposed and kept; forwards mixing prefill and decode tokens, the most tokens
-    in one; each first token's time since the run started."""
+class _Forming:
+    """An iteration's forward pass while its Steps are applied: the batch's tokens, their
+    token slots per Step, per request ``(request, tokens, samples, drafts, decode)``;
+    ``under``: the last Step's admissions computed fewer tokens than they were charged;
+    ``idle``: admissions computing none (their match covered the chunk they were given)."""
 
-    iterations: int = 0
-    step_seconds: float = 0.0
-    open_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    arrived: int = 0
-    finished: int = 0
-    preemptions: int = 0
-    out_of_pages: int = 0
-    no_free_slot: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    drafts_proposed: int = 0
-    drafts_kept: int = 0
-    mixed_forwards: int = 0
-    max_forward_tokens: int = 0
-    loading_tokens: int = 0  # matched tokens still loading from the host tier at their Step's answer
-    load_wait_seconds: float = 0.0  # forwards' time waiting for them (per layer: what compute did not hide)
-    load_held: int = 0  # load_wait "iteration": iterations' count of requests held out while their loads copied
-    fetch_held: int = 0  # admissions held (released, admitted again) while their prefix came from the store
-    fetch_tokens: int = 0  # tokens the answers said were being fetched from the store, over the holds
-    first_token_s: list[float] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(slots=True)
-class Policy:
-    """What an engine decides differently, each None for "nothing":
-
-    * ``drafts(r, room)``: up to ``room`` speculative tokens after ``r``'s known ones,
-      proposed at planning (it must not change ``r``);
-    * ``told(r)``: the tokens the model is told of at ``r``'s admission (default: those
-      known; the synthetic model is told the workload's whole sequence);
-    * ``check(r, finished)``: before ``r``'s release (finished, or preempted), e.g. a
-      read-back of its K/V; it raises to fail the run;
-    * ``backoff(r, it)``: the iteration a preempted ``r`` may be readmitted at;
-    * ``max_preemptions``: a request preempted more often fails the run (the pool
-      cannot hold it with the others running);
-    * ``stop_check(r)``: whether ``r`` now ends (a stop string), after each token."""
-
-    drafts: Callable[[Request, int], np.ndarray] | None = None
-    told: Callable[[Request], np.ndarray] | None = None
-    check: Callable[[Request, bool], None] | None = None
-    backoff: Callable[[Request, int], int] | None = None
-    max_preemptions: int | None = None
-    stop_check: Callable[[Request], bool] | None = None
-
-
-class _Steps:
-    """One planned iteration: the Step's columns (lists until :meth:`plan` makes them
-    int32 arrays) and, per item, what applying its answer does."""
-
-    __slots__ = (
-        "adopting",
-        "alloc_expected",
-        "alloc_needs",
-        "alloc_slots",
-        "cached",
-        "decodes",
-        "giving",
-        "items",
-        "leaving",
-        "opened",
-        "plan",
-        "released",
-        "truncated",
-    )
+    __slots__ = ("builder", "computing", "idle", "kv_locs", "under")
 
     def __init__(self) -> None:
-        self.plan = Plan()
-        self.alloc_slots: list[int] = []
-        self.alloc_needs: list[int] = []
-        self.alloc_expected: list[int] = []
-        self.items: list[tuple[Request, int, np.ndarray]] = []  # per alloc: (request, need, drafts)
-        self.decodes: list[Request] = []  # the first items: one-token decodes, no drafts
-        self.leaving: list[Request] = []
-        self.released: list[str] = []
-        self.truncated: list[Request] = []
-        self.cached: list[Request] = []
-        self.giving: list[Request] = []
-        self.adopting: list[Request] = []
-        self.opened: list[Request] = []
+        self.builder = BatchBuilder()
+        self.computing: list[_Computing] = []
+        self.kv_locs: list[np.ndarray | None] = []
+        self.under = False
+        self.idle: list[Request] = []  # admitted, computing nothing yet: the match covered their chunk
 
-    def alloc(self, r: Request, slot: int, need: int, expected: int, drafts: np.ndarray = _EMPTY) -> None:
-        self.alloc_slots.append(slot)
-        self.alloc_needs.append(need)
-        self.alloc_expected.append(expected)
-        self.items.append((r, need, drafts))
-
-    def seal(self) -> Plan:
-        """The plan with its columns as int32 arrays: the client sends them as bytes."""
-        p = self.plan
-        p.alloc_slots = _int32(self.alloc_slots)
-        p.alloc_needs = _int32(self.alloc_needs)
-        p.alloc_expected = _int32(self.alloc_expected)
-        p.release_slots = _int32(p.release_slots)
-        p.truncate_slots = _int32(p.truncate_slots)
-        p.truncate_lens = _int32(p.truncate_lens)
-        p.handoff_slots = _int32(p.handoff_slots)
-        return p
-
-
-def _int32(column: list[int]) -> np.ndarray:
-    """A plan column as the int32 array the client sends as bytes (an empty one shared)."""
-    return np.array(column, dtype=np.int32) if column else _EMPTY
+    def tokens(self) -> int:
+        return sum(c[1] for c in self.computing)
 
 
 class Scheduler:
@@ -276,19 +185,39 @@ class Scheduler:
         if not (steps.items or steps.leaving or steps.giving):
             self._idle()
             return []
+        out = self._send(steps)
+        self.figures.iterations += 1
+        self.leaving = []  # released in this Step (the held for the store join it again)
+        forming = _Forming()
+        oom = self._apply(steps, out, forming)
+        for _ in range(MAX_TOP_UPS):  # the admissions' matches left budget: their chunks, more admissions
+            left = self.budget - forming.tokens()
+            if oom or left <= 0 or not forming.under:
+                break
+            steps, idle = Steps(), forming.idle
+            forming.under, forming.idle = False, []
+            if idle:  # admitted, their match covering the chunk they were given: the next one now
+                left = self._allocs(steps, idle, left)
+            if self.waiting and left > 0 and not self._pressure and self.it >= self._slots_back_at:
+                self._admissions(steps, left)
+            if not steps.items:
+                break
+            self.figures.top_ups += 1
+            oom += self._apply(steps, self._send(steps), forming)
+        batch = self._build(forming)
+        took = self._take(batch, self._forward(batch), forming.computing)
+        self._preempt(oom)
+        self.it += 1
+        return took
+
+    def _send(self, steps: Steps) -> Outcome:
         plan = steps.seal()
         started = time.perf_counter()
         out = self.backend.step(plan)
         seconds = time.perf_counter() - started
-        f = self.figures
-        f.iterations += 1
-        f.step_seconds += seconds
+        self.figures.step_seconds += seconds
         self.latencies.append(seconds)
-        batch, computing, oom = self._apply(steps, out)
-        took = self._take(batch, self._forward(batch), computing)
-        self._preempt(oom)
-        self.it += 1
-        return took
+        return out
 
     def _arrive(self) -> None:
         while self._next is not None and self._next.arrival <= self.it:
@@ -321,10 +250,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ plan
 
-    def _plan(self) -> _Steps:
+    def _plan(self) -> Steps:
         """This iteration's Step, from the requests as they are: nothing changes here but
         what comes from outside (the inbox's items, the server's request slots)."""
-        steps = _Steps()
+        steps = Steps()
         plan = steps.plan
         check = self.policy.check
         for r in self.leaving:
@@ -365,9 +294,7 @@ class Scheduler:
             self._admissions(steps, budget)
         return steps
 
-    def _allocs(
-        self, steps: _Steps, requests: list[Request], budget: int, decoding: list[Request] | None = None
-    ) -> int:
+    def _allocs(self, steps: Steps, requests: list[Request], budget: int, decoding: list[Request] | None = None) -> int:
         """Decodes (with their drafts), then prefill chunks, within ``budget``; the
         budget left. ``decoding``: those of ``requests`` decoding, when known."""
         drafter = self.policy.drafts
@@ -397,7 +324,7 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _adoptions(self, steps: _Steps, budget: int) -> int:
+    def _adoptions(self, steps: Steps, budget: int) -> int:
         """Requests from the inbox: adopted in this Step with their next tokens' allocs
         (their slots the tickets'); prompts passed on join the waiting queue."""
         moves = self.moves
@@ -420,11 +347,14 @@ class Scheduler:
         steps.adopting = self._adopting
         return self._allocs(steps, self._adopting, budget)
 
-    def _admissions(self, steps: _Steps, budget: int) -> None:
+    def _admissions(self, steps: Steps, budget: int) -> None:
         """New requests from the front of the waiting queue, within what the budget
         leaves, opened here (their slots from the server), each with a match and the
         alloc of its first chunk counted from 0 (the match in the same Step covers its
-        start)."""
+        start). ``budget``: the tokens this Step's allocs may take; an admission is
+        charged its whole prompt (its match is not known yet: a top-up Step admits more
+        when the answer shows the matches left some)."""
+        left = budget
         new: list[Request] = []
         for r in self.waiting:
             full = len(self.running) + len(self._adopting) + len(new) >= self.max_running
@@ -444,7 +374,7 @@ class Scheduler:
                 return
             self._opened.update(zip(need_slots, slots, strict=True))
         self._open_limit = min(self.max_running, self._open_limit * 2)
-        budget = self.budget - sum(steps.alloc_needs)
+        budget = left
         for r in new:
             slot = self._opened[r.rid]
             steps.plan.match.append((slot, r.tokens[: r.known], r.known - 1))
@@ -460,14 +390,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ apply
 
-    def _apply(self, steps: _Steps, out: Outcome) -> tuple[ForwardBatch, list[_Computing], int]:
-        """The Step went through: the requests as its answer leaves them, and the forward
-        pass it asks for. Returns the batch, per request in it ``(request, tokens,
-        samples, drafts)``, and the allocs out of pages."""
+    def _apply(self, steps: Steps, out: Outcome, forming: _Forming) -> int:
+        """The Step went through: the requests as its answer leaves them, and what it
+        adds to the forward pass (into ``forming``: the batch's tokens and token slots,
+        per request in it ``(request, tokens, samples, drafts)``). Returns the allocs
+        out of pages."""
         f = self.figures
         now = time.monotonic()
         self._released += steps.released
-        self.leaving = []
         for r in steps.truncated:
             r.alloced, r.truncate_to = r.truncate_to, -1
         for r in steps.cached:
@@ -522,9 +452,9 @@ class Scheduler:
             self._back_to_waiting(r)
         self.waiting.extendleft(reversed(requeued))
         kv_loc = out.kv_loc
-        builder = BatchBuilder()
+        builder = forming.builder
         add = builder.add
-        computing: list[_Computing] = []
+        computing = forming.computing
         oom = 0
         first = self._decodes(steps.decodes, out, builder, computing)
         admitted = {id(r) for r in steps.opened}
@@ -551,7 +481,8 @@ class Scheduler:
             lo, hi = offsets[i], offsets[i + 1]
             got = hi - lo
             r.alloced += got
-            if got == 0:  # an admission whose match covered its first chunk
+            if got == 0:  # an admission whose match covered its first chunk: its next one in a top-up
+                forming.idle.append(r)
                 continue
             if fetching and id(r) in fetching:  # held for the store: released in the next Step
                 skipped.append((lo, hi))
@@ -579,11 +510,20 @@ class Scheduler:
             for lo, hi in skipped:
                 keep[lo:hi] = False
             kv_loc = kv_loc[keep]
-        batch = builder.build(self._admitted, self._released, kv_loc is not None, kv_loc)
+        forming.kv_locs.append(kv_loc)
+        charged = sum(need for r, need, _ in steps.items if id(r) in admitted)
+        forming.under = sum(c[1] for c in computing if id(c[0]) in admitted) < charged
+        return oom
+
+    def _build(self, forming: _Forming) -> ForwardBatch:
+        """The forward pass of an iteration's Steps (one, or one and its top-ups)."""
+        locs = [loc for loc in forming.kv_locs if loc is not None]  # none: a backend without token slots
+        kv_loc = None if not locs else locs[0] if len(locs) == 1 else np.concatenate(locs)
+        batch = forming.builder.build(self._admitted, self._released, kv_loc is not None, kv_loc)
         self._admitted, self._released = [], []
         if self.loads.pending:
             batch = self.loads.with_wait(batch)
-        return batch, computing, oom
+        return batch
 
     @staticmethod
     def _decodes(decodes: list[Request], out: Outcome, builder: BatchBuilder, computing: list[_Computing]) -> int:

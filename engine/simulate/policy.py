@@ -193,7 +193,7 @@ def counters(sim: SimWorker) -> dict[str, Any]:
     return {
         "generated": f.arrived,
         "done": f.finished,
-        "steps": f.iterations,
+        "steps": f.iterations + f.top_ups,  # Steps sent: an iteration's, and its top-ups
         "step_seconds": f.step_seconds,
         "open_seconds": f.open_seconds,
         "preemptions": f.preemptions,

@@ -75,8 +75,8 @@ class RunState:
         return self.total("steps") / elapsed if elapsed else 0.0
 
     def overhead_us(self) -> float:
-        """The allocator's time per scheduler iteration (Step and Open calls), in µs."""
-        steps = self.total("steps")  # one per scheduler iteration
+        """The allocator's time per Step (Step and Open calls), in µs."""
+        steps = self.total("steps")  # one per scheduler iteration, and one per top-up
         return 1e6 * (self.total("step_seconds") + self.total("open_seconds")) / steps if steps else 0.0
 
 
@@ -319,7 +319,7 @@ def comparison_lines(result: dict[str, Any]) -> list[str]:
         ("prompt tokens prefilled", f"{k['prefill_tokens']:,}", f"{r['prefill_tokens']:,}"),
         ("prefix hit rate", pct(k["prefix_hit_tokens"], k["prefix_query_tokens"]), "- (no shared cache)"),
         ("preemptions", f"{k['preemptions']:,}", f"{r['preemptions']:,}"),
-        ("scheduler iterations", f"{k['steps']:,}", f"{r['steps']:,}"),
+        ("Steps (iterations and top-ups)", f"{k['steps']:,}", f"{r['steps']:,}"),
     ]
     width = max(len(row[0]) for row in rows if row[1])
     lines = [f"{'':<{width}}  {'kvmem (one shared pool)':>24}  {'reference (in-process)':>24}"]

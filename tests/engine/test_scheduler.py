@@ -35,6 +35,7 @@ from kvmem.engine.generate.engine import propose_drafts
 from kvmem.engine.generate.hf_model import TransformersModel
 from kvmem.engine.handoff import Moves
 from kvmem.engine.request import Request
+from kvmem.engine import scheduler
 from kvmem.engine.scheduler import Policy, Scheduler
 from kvmem.engine.simulate.kv_check import KVMemory, planes_of
 from kvmem.engine.simulate.policy import SimulationFailure, requests, workload_drafts
@@ -191,7 +192,9 @@ def test_every_engine_step_reaches_the_server_in_the_int32_fields(
     pool: ServerProcess, llama: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The StepRequests the client puts on the stream, recorded as they go (the server
-    answers them): every column the engine fills travels as int32 bytes."""
+    answers them): every column the engine fills travels as int32 bytes. The synthetic
+    product: its drafts are rejected by construction (accept 0.6), so truncates travel
+    too (the tiny Llama's lookup drafts may all be kept)."""
     sent: list[Any] = []
     real_step = kvmem.client.stepstream.StepStream.step
 
@@ -200,7 +203,7 @@ def test_every_engine_step_reaches_the_server_in_the_int32_fields(
         return real_step(self, request, timeout)
 
     monkeypatch.setattr(kvmem.client.stepstream.StepStream, "step", recording)
-    product = Product("transformers", llama)
+    product = Product("synthetic", llama)
     with KVMemClient(pool.target, name="int32", cache_namespace="int32") as kv:
         model, policy = product.model(kv)
         sched = Scheduler(KVMemBackend(kv), model, budget=BUDGET, max_running=8, policy=policy)
@@ -208,7 +211,7 @@ def test_every_engine_step_reaches_the_server_in_the_int32_fields(
         run(sched)
     product.check_tokens(sched.finished)
     columns = ("release_slots", "truncate_slots", "truncate_lens", "alloc_slots", "alloc_needs", "alloc_expected_lens")
-    assert len(sent) == sched.figures.iterations
+    assert len(sent) == sched.figures.iterations + sched.figures.top_ups
     filled = dict.fromkeys(columns, 0)
     for request in sent:
         for name in columns:
@@ -236,6 +239,46 @@ def test_prompt_tokens_count_as_prefill_and_sampled_ones_as_decodes(pool: Server
     assert [r.tokens[: r.known].tolist() for r in sched.finished] == [want.tolist()] * 2
     assert f.prefix_hit_tokens == 16, f
     assert (f.prefill_tokens, f.decode_tokens) == (17 + 1, 2 * (NEW_TOKENS - 1)), f
+
+
+def test_admissions_whose_matches_leave_budget_are_topped_up_within_the_budget(pool: ServerProcess, llama: Any) -> None:
+    """Four prompts of 20 tokens whose first 16 are cached, a 16-token budget: the first
+    Step charges an admission its whole prompt (its match not known yet), and the answer
+    shows its match covers that chunk; top-up Steps give it its 4 tokens and admit the
+    next into what is left, so the four are prefilled in one forward, never more than the
+    budget, and their completions equal ``generate()``'s. Without top-ups
+    (``MAX_TOP_UPS`` 0) one is admitted a forward, computing nothing in that one."""
+    stem = np.tile(MOTIF, 3)[:16]
+    prompts = [np.concatenate([stem, np.full(4, 1 + i, dtype=np.int32)]) for i in range(4)]
+    product = Product("transformers", llama)
+    firsts = {}
+    for top_ups in (scheduler.MAX_TOP_UPS, 0):
+        with KVMemClient(pool.target, name="top-up", cache_namespace=f"top-up-{top_ups}") as kv:
+            model, _ = product.model(kv)
+            sched = Scheduler(KVMemBackend(kv), model, budget=BUDGET, max_running=8)
+            sched.add([Request(0, np.concatenate([stem, [7]]).astype(np.int32), 1)])  # caches the stem
+            run(sched)
+            sched.figures = type(sched.figures)()
+            it = sched.it
+            sched.add([Request(1 + i, p, NEW_TOKENS) for i, p in enumerate(prompts)])
+            saved = scheduler.MAX_TOP_UPS
+            scheduler.MAX_TOP_UPS = top_ups
+            try:
+                first = {}
+                while not sched.done:
+                    for r, _ in sched.iteration():
+                        first.setdefault(r.index, sched.it - it)
+            finally:
+                scheduler.MAX_TOP_UPS = saved
+        f = sched.figures
+        assert f.max_forward_tokens <= BUDGET and f.prefix_hit_tokens == 4 * 16 and f.prefill_tokens == 4 * 4, f
+        for r in sched.finished[-4:]:
+            want = np.concatenate([prompts[r.index - 1], greedy(llama, prompts[r.index - 1], NEW_TOKENS)])
+            assert r.tokens[: r.known].tolist() == want.tolist(), r.index
+        firsts[top_ups] = (f.top_ups, sorted(first.values()))
+    # a top-up gives an admission its chunk and admits the next: every first token in one forward
+    assert firsts[scheduler.MAX_TOP_UPS] == (4, [1, 1, 1, 1]), firsts
+    assert firsts[0] == (0, [2, 3, 4, 5]), firsts  # one admission a forward, its first computing nothing
 
 
 def snapshot(sched: Scheduler) -> dict[str, Any]:
