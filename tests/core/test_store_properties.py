@@ -238,28 +238,32 @@ def test_store_a_fetch_read_but_not_yet_installed_is_still_in_flight_for_a_secon
         a.settle()
         assert a.link.counters.pages_written == 4
 
-        def match() -> tuple[int, int]:
+        def match(release: bool = True) -> tuple[int, int, int]:
             (slot,) = b.core.open(b.owner, [f"m{b.n}"]).tolist()
             b.n += 1
             r = b.core.step(b.owner, StepBatch.of(match=[(slot, toks, len(toks) - 1)]))
-            b.core.step(b.owner, StepBatch.of(release_slots=[slot]))
-            return int(r.match_lens[0]), int(r.match_fetching[0])
+            if release:
+                b.core.step(b.owner, StepBatch.of(release_slots=[slot]))
+            return int(r.match_lens[0]), int(r.match_fetching[0]), slot
 
-        assert match() == (0, 8)  # asked: all of it, not known yet
+        # Its release comes later: a Step takes the store's answers first (its lookup's, and
+        # the read's), so the read must not be taken before the test holds it.
+        *first, slot = match(release=False)
+        assert first == [0, 8]  # asked: all of it, not known yet
         b.link.wait_idle()  # the store has 4 pages
         b.core.finish_loads()  # host pages reserved, the read sent
         b.link.wait_idle()  # read and checked: handed back, not installed yet
         held = list(b.link.results)
         assert [k for k, _ in held] == ["fetched"]
         b.link.results.clear()  # a Step in the moment before the loop takes it
+        b.core.step(b.owner, StepBatch.of(release_slots=[slot]))
         fetches = b.link.counters.fetches
-        assert match() == (0, 8)
+        assert match()[:2] == (0, 8)
         b.link.wait_idle()
         assert b.link.counters.fetches == fetches  # nothing asked again
         b.link.results.extend(held)
         b.settle()
-        matched, fetching = match()
-        assert (matched, fetching) == (8, 0)
+        assert match()[:2] == (8, 0)
         assert b.link.counters.pages_read == 4
         b.settle()
         assert b.core.audit().ok
