@@ -72,7 +72,6 @@ import functools
 import importlib.util
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -87,6 +86,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvmem.engine.generate.worker import document
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -370,17 +371,6 @@ def open_store(name: str, directory: str) -> Store:
 
 # ---------------------------------------------------------------- the workload
 
-WORDS = (
-    "river", "market", "winter", "signal", "garden", "engine", "letter", "harbor", "forest", "window", "silver",
-    "morning", "station", "paper", "bridge", "music", "island", "number", "people", "valley", "doctor", "theory",
-    "machine", "village", "answer", "season", "mountain", "canal", "library", "weather", "teacher", "record",
-    "circle", "pocket", "orange", "ladder", "planet", "story", "factory", "kitchen", "lantern", "copper", "shadow",
-    "meadow", "rocket", "engineer", "harvest", "journey", "cabinet", "sailor", "painter", "pattern", "travel",
-    "measure", "follow", "build", "carry", "gather", "notice", "repair", "open", "close", "watch", "listen",
-    "wander", "count", "carve", "borrow", "remember", "explain", "quiet", "bright", "early", "heavy", "gentle",
-    "narrow", "careful", "ancient", "simple", "golden", "distant", "sudden", "steady", "hollow", "under", "across",
-    "beyond", "between", "during", "after", "before", "around", "through", "against", "toward",
-)  # fmt: skip
 SYSTEM_PROMPTS = (
     "You are a careful reading assistant. Answer briefly, and only from the document the user gives you.",
     "You are a concise analyst who explains documents to busy readers. Keep every answer short and plain.",
@@ -391,18 +381,6 @@ QUESTIONS = (  # set 1: node A's; set 2: node B's
     ("What is the tone of the document?", "Give the document a short title.",
      "Name one object the document mentions."),
 )  # fmt: skip
-
-
-def document(d: int, words: int = 220) -> str:
-    """Document ``d``: ``words`` seeded words in sentences of 6 to 14 (about 300 tokens)."""
-    rng = random.Random(1000 + d)
-    out, n = [], 0
-    while n < words:
-        k = min(rng.randint(6, 14), words - n)
-        sentence = " ".join(rng.choice(WORDS) for _ in range(k))
-        out.append(sentence[0].upper() + sentence[1:] + ".")
-        n += k
-    return f"Document {d + 1}.\n" + " ".join(out)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

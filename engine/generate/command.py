@@ -135,6 +135,15 @@ def add_parser(sub: Any, name: str = "generate") -> None:
     p.add_argument("--users", metavar="N", type=integer(1), default=16, help="multi-turn: conversations (default: 16)")
     p.add_argument("--turns", metavar="N", type=integer(1), default=3, help="multi-turn: turns each (default: 3)")
     p.add_argument(
+        "--document-words",
+        metavar="N",
+        type=integer(0),
+        default=0,
+        help="multi-turn: each user's first turn brings a document of its own of N words (220 words: about 250 "
+        "SmolLM2 tokens), a long input that every later turn of the conversation carries again, as in LMCache's "
+        "long-input benchmark (default: 0, none)",
+    )
+    p.add_argument(
         "--host-memory",
         metavar="SIZE",
         default=None,
@@ -255,8 +264,10 @@ def _generate(args: argparse.Namespace) -> int:
                 "--workload multi-turn makes its own prompts and runs them in rounds: no --prompts, "
                 "--disaggregate or drains"
             )
-        prompts = multi_turn_prompts(args.users, args.turns)
+        prompts = multi_turn_prompts(args.users, args.turns, args.document_words)
     else:
+        if args.document_words:
+            raise UsageError(f"--document-words {args.document_words}: only with --workload multi-turn")
         prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()
     from ..server_process import server_for
     from .geometry import GeometryMismatch, check_geometry, serve_flags

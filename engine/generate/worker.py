@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import time
 import traceback
 from collections.abc import Sequence
@@ -55,6 +56,34 @@ FOLLOW_UPS = (
     "Why does that matter?",
     "What do people often get wrong about it?",
 )
+
+
+WORDS = (
+    "river", "market", "winter", "signal", "garden", "engine", "letter", "harbor", "forest", "window", "silver",
+    "morning", "station", "paper", "bridge", "music", "island", "number", "people", "valley", "doctor", "theory",
+    "machine", "village", "answer", "season", "mountain", "canal", "library", "weather", "teacher", "record",
+    "circle", "pocket", "orange", "ladder", "planet", "story", "factory", "kitchen", "lantern", "copper", "shadow",
+    "meadow", "rocket", "engineer", "harvest", "journey", "cabinet", "sailor", "painter", "pattern", "travel",
+    "measure", "follow", "build", "carry", "gather", "notice", "repair", "open", "close", "watch", "listen",
+    "wander", "count", "carve", "borrow", "remember", "explain", "quiet", "bright", "early", "heavy", "gentle",
+    "narrow", "careful", "ancient", "simple", "golden", "distant", "sudden", "steady", "hollow", "under", "across",
+    "beyond", "between", "during", "after", "before", "around", "through", "against", "toward",
+)  # fmt: skip
+
+
+def document(d: int, words: int = 220) -> str:
+    """Document ``d``: ``words`` seeded words in sentences of 6 to 14 (220 words: about
+    250 tokens for SmolLM2), the same text for the same ``d`` everywhere (a long input
+    of its own for a multi-turn conversation, ``--document-words``; bench/store_bench.py's
+    documents)."""
+    rng = random.Random(1000 + d)
+    out, n = [], 0
+    while n < words:
+        k = min(rng.randint(6, 14), words - n)
+        sentence = " ".join(rng.choice(WORDS) for _ in range(k))
+        out.append(sentence[0].upper() + sentence[1:] + ".")
+        n += k
+    return f"Document {d + 1}.\n" + " ".join(out)
 
 
 class PromptError(ValueError):
@@ -106,17 +135,21 @@ def _cut(text: str, width: int) -> str:
     return shown if len(shown) <= width else shown[: width - 3] + "..."
 
 
-def multi_turn_prompts(users: int, turns: int) -> list[Prompt]:
+def multi_turn_prompts(users: int, turns: int, document_words: int = 0) -> list[Prompt]:
     """``users`` conversations of ``turns`` turns each, turn-major (``index = turn * users
     + user``): a user's first turn is a system prompt (one of two, shared) and a question
-    of its own; each later turn appends the last completion and a follow-up question, so
-    a turn's prompt is the whole conversation so far. Only the first turn's tokens are
-    known ahead; the worker builds the others from what the model answered."""
+    of its own (after a document of ``document_words`` words of its own, when not 0: a
+    long input, each later turn asking about it again); each later turn appends the last
+    completion and a follow-up question, so a turn's prompt is the whole conversation so
+    far. Only the first turn's tokens are known ahead; the worker builds the others from
+    what the model answered."""
     out: list[Prompt] = []
     for turn in range(turns):
         for user in range(users):
             if turn == 0:
                 question = f"I am user {user}. {QUESTIONS[user % len(QUESTIONS)]}"
+                if document_words:
+                    question = f"I am user {user}. Read my document.\n\n{document(user, document_words)}\n\n{question}"
             else:
                 question = FOLLOW_UPS[(user + turn - 1) % len(FOLLOW_UPS)]
             chat = [{"role": "system", "content": SYSTEM_PROMPTS[user % 2]}, {"role": "user", "content": question}]

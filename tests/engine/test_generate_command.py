@@ -176,6 +176,37 @@ def test_a_bad_prompts_line_is_refused_in_one_line(tmp_path: pathlib.Path) -> No
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--document-words", "40"], "--document-words 40: only with --workload multi-turn"),
+        (["--workload", "multi-turn", "--document-words", "-1"], "argument --document-words: must be an integer >= 0"),
+    ],
+)
+def test_a_bad_document_words_is_refused_in_one_line(tmp_path: pathlib.Path, argv: list[str], error: str) -> None:
+    run = generate("--model", tmp_path, *argv)
+    assert run.returncode == 2 and run.stderr.startswith(f"kvmem generate: error: {error}"), run.stderr
+
+
+def test_document_words_give_each_users_first_turn_a_long_input_of_its_own() -> None:
+    """--document-words: a user's first turn carries a document of its own (seeded: the
+    same words every run, another user's differ); later turns add only their follow-up."""
+    from kvmem.engine.generate.worker import document, multi_turn_prompts
+
+    plain, long = multi_turn_prompts(3, 2), multi_turn_prompts(3, 2, document_words=50)
+    assert multi_turn_prompts(3, 2, document_words=50) == long
+    for p, q in zip(plain, long, strict=True):
+        assert (p.turn, p.user) == (q.turn, q.user) and p.messages[0] == q.messages[0]
+        if q.turn == 0:
+            assert document(q.user, 50) in q.messages[1]["content"] and q.messages[1]["content"].endswith(
+                p.messages[1]["content"].split(". ", 1)[1]
+            )
+            assert len(document(q.user, 50).split()) == 52  # 50 words and "Document N."
+        else:
+            assert q.messages == p.messages
+    assert len({document(u, 50) for u in range(3)}) == 3
+
+
 def test_generate_help_loads_no_torch_or_transformers() -> None:
     code = (
         "import contextlib, io, sys\n"
@@ -242,19 +273,21 @@ def test_a_worker_told_to_stop_hands_its_running_requests_to_its_peer(
     assert sorted(c["index"] for c in moved) == [0, 2, 4]  # worker 0's share
 
 
-@pytest.mark.parametrize("load_wait", ["layer", "iteration"])
+@pytest.mark.parametrize(("load_wait", "words"), [("layer", 0), ("iteration", 24)])
 def test_tier_multi_turn_conversations_come_back_from_the_host_tier_token_identical(
-    model_dir: pathlib.Path, absent_socket: str, load_wait: str
+    model_dir: pathlib.Path, absent_socket: str, load_wait: str, words: int
 ) -> None:
     """--workload multi-turn on a pool that holds one running conversation, not all 6:
     later turns match their history from the host tier (loaded, not prefilled again) and
     every turn's completion equals the model's own generate() on the whole conversation,
     whether a loading request computes at once and waits per layer or is held out of the
-    forwards until its load is in (--load-wait)."""
+    forwards until its load is in (--load-wait); the second with a document in each
+    conversation (--document-words)."""
     run = generate(
         "--model", model_dir, "--workload", "multi-turn", "--users", "6", "--turns", "3", "--workers", "1",
-        "--max-running", "1", "--max-new-tokens", str(NEW_TOKENS), "--num-pages", "12", "--host-memory", "4MiB",
-        "--load-wait", load_wait, "--socket", absent_socket, "--json",
+        "--max-running", "1", "--max-new-tokens", str(NEW_TOKENS), "--num-pages", "12",
+        "--host-memory", "4MiB", "--load-wait", load_wait, "--document-words", str(words),
+        "--socket", absent_socket, "--json",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     assert "--host-memory 4MiB" in run.stderr
