@@ -178,6 +178,7 @@ COUNTERS: tuple[str, ...] = (
     "generated",
     "done",
     "steps",
+    "iterations",
     "step_seconds",
     "open_seconds",
     "preemptions",
@@ -194,6 +195,7 @@ def counters(sim: SimWorker) -> dict[str, Any]:
         "generated": f.arrived,
         "done": f.finished,
         "steps": f.iterations + f.top_ups,  # Steps sent: an iteration's, and its top-ups
+        "iterations": f.iterations,  # scheduler iterations (a forward each)
         "step_seconds": f.step_seconds,
         "open_seconds": f.open_seconds,
         "preemptions": f.preemptions,
