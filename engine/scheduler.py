@@ -72,9 +72,11 @@ class _Forming:
     """An iteration's forward pass while its Steps are applied: the batch's tokens, their
     token slots per Step, per request ``(request, tokens, samples, drafts, decode)``;
     ``under``: the last Step's admissions computed fewer tokens than they were charged;
-    ``idle``: admissions computing none (their match covered the chunk they were given)."""
+    ``idle``: admissions computing none (their match covered the chunk they were given);
+    ``heads``: the first pages (their tokens' bytes) that requests compute in this
+    forward: not cached yet, so a top-up admits no request that starts with one."""
 
-    __slots__ = ("builder", "computing", "idle", "kv_locs", "under")
+    __slots__ = ("builder", "computing", "heads", "idle", "kv_locs", "under")
 
     def __init__(self) -> None:
         self.builder = BatchBuilder()
@@ -82,6 +84,7 @@ class _Forming:
         self.kv_locs: list[np.ndarray | None] = []
         self.under = False
         self.idle: list[Request] = []  # admitted, computing nothing yet: the match covered their chunk
+        self.heads: set[bytes] = set()
 
     def tokens(self) -> int:
         return sum(c[1] for c in self.computing)
@@ -199,7 +202,7 @@ class Scheduler:
             if idle:  # admitted, their match covering the chunk they were given: the next one now
                 left = self._allocs(steps, idle, left)
             if self.waiting and left > 0 and not self._pressure and self.it >= self._slots_back_at:
-                self._admissions(steps, left)
+                self._admissions(steps, left, forming.heads)
             if not steps.items:
                 break
             self.figures.top_ups += 1
@@ -347,19 +350,29 @@ class Scheduler:
         steps.adopting = self._adopting
         return self._allocs(steps, self._adopting, budget)
 
-    def _admissions(self, steps: Steps, budget: int) -> None:
+    def _admissions(self, steps: Steps, budget: int, computing: set[bytes] | None = None) -> None:
         """New requests from the front of the waiting queue, within what the budget
         leaves, opened here (their slots from the server), each with a match and the
         alloc of its first chunk counted from 0 (the match in the same Step covers its
         start). ``budget``: the tokens this Step's allocs may take; an admission is
         charged its whole prompt (its match is not known yet: a top-up Step admits more
-        when the answer shows the matches left some)."""
+        when the answer shows the matches left some). ``computing`` (a top-up's): the
+        first pages this forward computes; admissions stop at a request that starts with
+        one, or with the first page of another admitted in this Step (the next Step
+        matches it instead of computing it twice)."""
         left = budget
         new: list[Request] = []
+        ps = self.ps
+        heads: set[bytes] = set()
         for r in self.waiting:
             full = len(self.running) + len(self._adopting) + len(new) >= self.max_running
             if budget <= 0 or full or r.not_before > self.it or len(new) >= self._open_limit:
                 break
+            if computing is not None and r.known > ps:  # a match may cover its first page
+                head = r.tokens[:ps].tobytes()
+                if head in computing or head in heads:
+                    break
+                heads.add(head)
             new.append(r)
             budget -= min(r.known, budget)
         if not new:
@@ -494,6 +507,8 @@ class Scheduler:
                 skipped.append((lo, hi))
                 continue
             start = r.computed
+            if start < self.ps < r.known:  # computes its first page: a top-up admits nothing starting so
+                forming.heads.add(r.tokens[: self.ps].tobytes())
             d = drafts.size
             tokens = r.tokens[start : start + got] if not d else np.concatenate([r.tokens[start : r.known], drafts])
             samples = 1 + d if start + got == r.known + d else 0

@@ -281,6 +281,31 @@ def test_admissions_whose_matches_leave_budget_are_topped_up_within_the_budget(p
     assert firsts[0] == (0, [2, 3, 4, 5]), firsts  # one admission a forward, its first computing nothing
 
 
+def test_a_top_up_admits_no_request_whose_first_page_the_forward_computes(pool: ServerProcess, llama: Any) -> None:
+    """R1's match of a cached stem leaves budget, so a top-up Step admits more: R2, whose
+    first page nobody computed yet, and not R3, which starts with the same page (the
+    forward computes it for R2); the next iteration's R3 matches R2's pages. Prefilled
+    4 + 9 + 1 tokens, not R2's 8 new tokens twice; completions equal ``generate()``."""
+    stem = np.tile(MOTIF, 3)[:16]
+    fresh = np.random.default_rng(9).integers(1, VOCAB, size=8).astype(np.int32)
+    prompts = [np.concatenate([stem, [3, 4, 5, 6]]), np.concatenate([fresh, [7]]), np.concatenate([fresh, [8]])]
+    product = Product("transformers", llama)
+    with KVMemClient(pool.target, name="heads", cache_namespace="heads") as kv:
+        model, _ = product.model(kv)
+        sched = Scheduler(KVMemBackend(kv), model, budget=BUDGET, max_running=8)
+        sched.add([Request(0, np.concatenate([stem, [7]]).astype(np.int32), 1)])  # caches the stem
+        run(sched)
+        sched.figures = type(sched.figures)()
+        sched.add([Request(1 + i, p.astype(np.int32), NEW_TOKENS) for i, p in enumerate(prompts)])
+        run(sched)
+    f = sched.figures
+    assert f.top_ups >= 1 and f.prefix_hit_tokens == 16 + 8 and f.prefill_tokens == 4 + 9 + 1, f
+    assert f.max_forward_tokens <= BUDGET, f
+    for r in sched.finished[-3:]:
+        p = prompts[r.index - 1]
+        assert r.tokens[: r.known].tolist() == np.concatenate([p, greedy(llama, p, NEW_TOKENS)]).tolist(), r.index
+
+
 def snapshot(sched: Scheduler) -> dict[str, Any]:
     """Every request's fields, and where it is."""
     requests = [*sched.waiting, *sched.running, *sched.leaving, *sched.giving]
