@@ -147,9 +147,11 @@ def multi_turn_prompts(users: int, turns: int, document_words: int = 0) -> list[
     for turn in range(turns):
         for user in range(users):
             if turn == 0:
-                question = f"I am user {user}. {QUESTIONS[user % len(QUESTIONS)]}"
+                asked = QUESTIONS[user % len(QUESTIONS)]
+                question = f"I am user {user}. {asked}"
                 if document_words:
-                    question = f"I am user {user}. Read my document.\n\n{document(user, document_words)}\n\n{question}"
+                    doc = document(user, document_words)
+                    question = f"I am user {user}. Read my document.\n\n{doc}\n\nQuestion: {asked}"
             else:
                 question = FOLLOW_UPS[(user + turn - 1) % len(FOLLOW_UPS)]
             chat = [{"role": "system", "content": SYSTEM_PROMPTS[user % 2]}, {"role": "user", "content": question}]
