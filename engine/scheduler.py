@@ -19,8 +19,9 @@ forward pass of the model (a :class:`~.forward.Model`):
 2. **send** the Step, its columns int32 arrays (the client's bytes fast path); when its
    answer shows that admissions' matches (or holds for the store) left part of the
    budget and requests wait, a **top-up** Step admits more into what is left (at most
-   :data:`MAX_TOP_UPS`; their tokens join the same forward), so a prefix hit costs
-   neither the forward's tokens nor the queue's time;
+   :data:`MAX_TOP_UPS`; their tokens join the same forward; only while a forward takes
+   longer than a Step, which a top-up adds), so a prefix hit costs neither the forward's
+   tokens nor the queue's time;
 3. **apply** the answer (:meth:`Scheduler._apply`), the one place requests change on
    it: releases done, truncates, caches, matches, adoptions, hand-offs, each alloc's
    token slots; a Step that raised changed nothing here, so the iteration can be
@@ -68,6 +69,11 @@ MAX_TOP_UPS = 8  # top-up Steps an iteration may send after its Step (see Schedu
 _Computing = tuple["Request", int, int, int, bool]
 
 
+def _moving(mean: float, x: float) -> float:
+    """A moving average of seconds (the first sample as it is; then 1/8 of each new one)."""
+    return x if not mean else mean + (x - mean) / 8
+
+
 class _Forming:
     """An iteration's forward pass while its Steps are applied: the batch's tokens, their
     token slots per Step, per request ``(request, tokens, samples, drafts, decode)``;
@@ -103,7 +109,10 @@ class Scheduler:
     from its store (``kvmem serve --store``; the answer's ``match_fetching``) is held
     for it: released in the next Step and admitted again (its match then takes what has
     arrived) until nothing more is being fetched or the time is up; 0 (the default):
-    never held, its tokens computed at once."""
+    never held, its tokens computed at once. ``top_ups``: whether an iteration sends
+    top-up Steps; None (the default): while a forward takes longer than a Step (a
+    top-up adds a round trip to save a forward: a model whose forward costs less, as the
+    simulator's, sends none)."""
 
     def __init__(
         self,
@@ -119,8 +128,10 @@ class Scheduler:
         on_arrival: Callable[[Request], None] | None = None,
         load_wait: str = "layer",
         fetch_wait_s: float = 0.0,
+        top_ups: bool | None = None,
     ) -> None:
         self.backend = backend
+        self.top_ups = top_ups
         self.fetch_wait_s = fetch_wait_s
         self.model = model
         self.ps = backend.page_size
@@ -134,6 +145,9 @@ class Scheduler:
         self.on_arrival = on_arrival
         self.figures = Figures()
         self.latencies: list[float] = []  # seconds of each Step since a reader last took them
+        # a Step's and a forward's recent seconds (moving averages): a top-up Step costs a round
+        # trip to save a forward, so it is sent only while a forward costs more than a Step
+        self._step_s = self._forward_s = 0.0
         self.it = 0
         self.started_at = time.monotonic()  # the run's start, for the first tokens' times
         self.waiting: collections.deque[Request] = collections.deque()
@@ -195,7 +209,7 @@ class Scheduler:
         oom = self._apply(steps, out, forming)
         for _ in range(MAX_TOP_UPS):  # the admissions' matches left budget: their chunks, more admissions
             left = self.budget - forming.tokens()
-            if oom or left <= 0 or not forming.under:
+            if oom or left <= 0 or not forming.under or not self._top_ups_pay():
                 break
             steps, idle = Steps(), forming.idle
             forming.under, forming.idle = False, []
@@ -213,6 +227,13 @@ class Scheduler:
         self.it += 1
         return took
 
+    def _top_ups_pay(self) -> bool:
+        """Whether to send a top-up Step now (``top_ups``; None: while the recent forwards
+        took longer than the recent Steps)."""
+        if self.top_ups is not None:
+            return self.top_ups
+        return self._forward_s >= self._step_s
+
     def _send(self, steps: Steps) -> Outcome:
         plan = steps.seal()
         started = time.perf_counter()
@@ -220,6 +241,7 @@ class Scheduler:
         seconds = time.perf_counter() - started
         self.figures.step_seconds += seconds
         self.latencies.append(seconds)
+        self._step_s = _moving(self._step_s, seconds)
         return out
 
     def _arrive(self) -> None:
@@ -587,7 +609,9 @@ class Scheduler:
                 f"the model's forward pass failed at iteration {self.it} "
                 f"({batch.describe()}): {type(exc).__name__}: {exc}"
             ) from exc
-        f.forward_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        f.forward_seconds += seconds
+        self._forward_s = _moving(self._forward_s, seconds)
         num_samples = int(batch.sample_offsets[-1])
         if output.next_tokens.shape != (num_samples,):
             raise ModelFailure(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from tiny_llama import SERVE_FLAGS, VOCAB, greedy, tiny_llama
 import kvmem.client.stepstream
 from kvmem.client import KVMemClient
 from kvmem.client.errors import KVMemError
+from kvmem.engine import scheduler
 from kvmem.engine.backend import KVMemBackend
 from kvmem.engine.forward import Model
 from kvmem.engine.generate.attention import ATTENTION
@@ -35,7 +37,6 @@ from kvmem.engine.generate.engine import propose_drafts
 from kvmem.engine.generate.hf_model import TransformersModel
 from kvmem.engine.handoff import Moves
 from kvmem.engine.request import Request
-from kvmem.engine import scheduler
 from kvmem.engine.scheduler import Policy, Scheduler
 from kvmem.engine.simulate.kv_check import KVMemory, planes_of
 from kvmem.engine.simulate.policy import SimulationFailure, requests, workload_drafts
@@ -255,7 +256,8 @@ def test_admissions_whose_matches_leave_budget_are_topped_up_within_the_budget(p
     for top_ups in (scheduler.MAX_TOP_UPS, 0):
         with KVMemClient(pool.target, name="top-up", cache_namespace=f"top-up-{top_ups}") as kv:
             model, _ = product.model(kv)
-            sched = Scheduler(KVMemBackend(kv), model, budget=BUDGET, max_running=8)
+            # top_ups=True: the tiny Llama's forward may take less than a Step (None sends none then)
+            sched = Scheduler(KVMemBackend(kv), model, budget=BUDGET, max_running=8, top_ups=True)
             sched.add([Request(0, np.concatenate([stem, [7]]).astype(np.int32), 1)])  # caches the stem
             run(sched)
             sched.figures = type(sched.figures)()
@@ -292,7 +294,7 @@ def test_a_top_up_admits_no_request_whose_first_page_the_forward_computes(pool: 
     product = Product("transformers", llama)
     with KVMemClient(pool.target, name="heads", cache_namespace="heads") as kv:
         model, _ = product.model(kv)
-        sched = Scheduler(KVMemBackend(kv), model, budget=BUDGET, max_running=8)
+        sched = Scheduler(KVMemBackend(kv), model, budget=BUDGET, max_running=8, top_ups=True)
         sched.add([Request(0, np.concatenate([stem, [7]]).astype(np.int32), 1)])  # caches the stem
         run(sched)
         sched.figures = type(sched.figures)()
@@ -304,6 +306,38 @@ def test_a_top_up_admits_no_request_whose_first_page_the_forward_computes(pool: 
     for r in sched.finished[-3:]:
         p = prompts[r.index - 1]
         assert r.tokens[: r.known].tolist() == np.concatenate([p, greedy(llama, p, NEW_TOKENS)]).tolist(), r.index
+
+
+def test_top_ups_are_sent_only_while_a_forward_takes_longer_than_a_step(pool: ServerProcess, llama: Any) -> None:
+    """The default (``top_ups=None``): a top-up Step adds a round trip to save a forward,
+    so it is sent only while forwards take longer than Steps. The tiny Llama, once with
+    every Step 100 ms slower (no top-up), once with every forward 100 ms slower (top-ups);
+    the completions equal ``generate()``'s either way."""
+    stem = np.tile(MOTIF, 3)[:16]
+    prompts = [np.concatenate([stem, np.full(4, 1 + i, dtype=np.int32)]) for i in range(4)]
+    counts = {}
+    for slow in ("step", "forward"):
+        with KVMemClient(pool.target, name="top-up-auto", cache_namespace=f"auto-{slow}") as kv:
+            model, _ = Product("transformers", llama).model(kv)
+            backend = KVMemBackend(kv)
+            target = backend if slow == "step" else model
+            inner = getattr(target, slow)
+
+            def slower(arg: Any, inner: Any = inner) -> Any:
+                time.sleep(0.1)  # far above the other's time, even on a loaded host
+                return inner(arg)
+
+            setattr(target, slow, slower)
+            sched = Scheduler(backend, model, budget=BUDGET, max_running=8)
+            sched.add([Request(0, np.concatenate([stem, [7]]).astype(np.int32), 1)])  # caches the stem
+            run(sched)
+            sched.add([Request(1 + i, p, NEW_TOKENS) for i, p in enumerate(prompts)])
+            run(sched)
+        for r in sched.finished[-4:]:
+            p = prompts[r.index - 1]
+            assert r.tokens[: r.known].tolist() == np.concatenate([p, greedy(llama, p, NEW_TOKENS)]).tolist()
+        counts[slow] = sched.figures.top_ups
+    assert counts["step"] == 0 and counts["forward"] > 0, counts
 
 
 def snapshot(sched: Scheduler) -> dict[str, Any]:
